@@ -1,0 +1,304 @@
+"""The run spec: one typed, validated description of an RL run.
+
+Both halves use this module: the runtime to run a spec, the platform to
+validate a submission (so it must import with pydantic and PyYAML only, never
+torch). Every field carries a one-line description; the resolved spec (all
+defaults filled in) is what gets stored with a run.
+
+Load with :func:`load_spec` (YAML/JSON text or a file, plus ``a.b=value``
+overrides). Problems raise :class:`SpecError`, whose ``errors`` name each
+offending field by its dotted path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """A spec could not be parsed or validated. ``errors`` is a list of
+    ``{"field": "pipeline.mode", "message": "..."}`` dicts."""
+
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+class _Section(BaseModel):
+    # Unknown fields are errors: a typo must never be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2")
+BUILTIN_TASKS = ("reverse", "repeat", "arithmetic", "copy")
+
+
+class ModelSpec(_Section):
+    builtin: Literal["tiny-qwen2", "tiny-llama", "small-qwen2"] | None = Field(
+        "tiny-qwen2", description="Named built-in architecture, randomly initialised (ignored when `path` is set)."
+    )
+    path: str | None = Field(None, description="Local Hugging Face model directory to load (no hub access).")
+    tokenizer: Literal["auto", "char"] = Field(
+        "auto", description="`auto`: the model directory's tokenizer, or the char tokenizer for built-ins."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    reference: bool = Field(True, description="Keep a frozen copy of the initial policy for the KL penalty.")
+
+
+class TaskSpec(_Section):
+    name: Literal["reverse", "repeat", "arithmetic", "copy", "jsonl"] = Field(
+        "reverse", description="Built-in synthetic task, or `jsonl` for a user dataset at `path`."
+    )
+    path: str | None = Field(None, description="JSONL file of {prompt, answer} rows (task `jsonl`).")
+    eval_path: str | None = Field(None, description="Held-out JSONL file; default: a split of `path`.")
+    verifier: Literal["exact", "numeric", "boxed"] = Field("exact", description="Rule that scores a response.")
+    train_size: int = Field(4096, ge=1, le=10_000_000, description="Number of training prompts generated.")
+    eval_size: int = Field(64, ge=1, le=100_000, description="Number of held-out evaluation prompts.")
+    min_len: int = Field(1, ge=1, le=256, description="Smallest problem size for built-in tasks.")
+    max_len: int = Field(8, ge=1, le=256, description="Largest problem size; sizes are long-tailed in between.")
+    seed: int = Field(1234, description="Seed of the prompt generator (independent of the run seed).")
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskSpec:
+        if self.name == "jsonl" and not self.path:
+            raise ValueError("task `jsonl` needs `path`")
+        if self.min_len > self.max_len:
+            raise ValueError("min_len must be <= max_len")
+        return self
+
+
+class AlgorithmSpec(_Section):
+    name: str = Field(
+        "grpo",
+        description="Registered algorithm (`grpo`, `ppo`) or a plug-in import path `package.module:factory`.",
+    )
+    group_size: int = Field(8, ge=1, le=1024, description="Samples per prompt (GRPO group size).")
+    clip_eps: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip (lower side, and upper unless set).")
+    clip_eps_high: float | None = Field(None, gt=0, le=10, description="Upper ratio clip (asymmetric clipping).")
+    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the k3 KL penalty to the reference policy.")
+    entropy_coef: float = Field(0.0, ge=0, le=100, description="Entropy bonus weight.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How per-token losses reduce to a scalar."
+    )
+    normalize_adv_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    off_policy: Literal["none", "decoupled", "truncated"] = Field(
+        "decoupled",
+        description="Correction for stale samples: decoupled (proximal policy) or truncated importance weights.",
+    )
+    is_cap: float = Field(2.0, gt=0, le=1000, description="Cap on the behaviour-to-proximal importance weight.")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO GAE lambda.")
+    value_clip: float = Field(0.2, gt=0, le=100, description="PPO value-function clip range.")
+    vf_coef: float = Field(0.5, ge=0, le=100, description="PPO value-loss weight.")
+
+
+class TrainerSpec(_Section):
+    lr: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate (policy).")
+    critic_lr: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate (PPO critic).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, le=10_000_000, description="Token budget of one micro-batch (length-sorted packing)."
+    )
+    updates_per_step: int = Field(1, ge=1, le=64, description="Optimizer updates per training step (mini-batches).")
+
+
+class RolloutSpec(_Section):
+    engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine.")
+    max_new_tokens: int = Field(32, ge=1, le=65536, description="Longest response generated.")
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_batch_size: int = Field(64, ge=1, le=100_000, description="Sequences decoded together by one engine.")
+    max_batch_tokens: int = Field(16384, ge=16, description="Token budget of one engine batch.")
+
+
+class PipelineSpec(_Section):
+    mode: Literal["sync", "async", "colocated"] = Field("sync", description="How generation and training overlap.")
+    steps: int = Field(50, ge=1, le=10_000_000, description="Training steps to run.")
+    prompts_per_step: int = Field(8, ge=1, le=100_000, description="Prompts consumed by one training step.")
+    max_policy_lag: int = Field(1, ge=0, le=1000, description="Largest allowed (trainer version - sample version).")
+    on_lag_exceeded: Literal["throttle", "drop", "sync"] = Field(
+        "throttle", description="throttle: generation waits; drop: stale samples discarded; sync: lock-step."
+    )
+    queue_capacity: int | None = Field(
+        None, ge=1, description="Samples the queue holds; default 5x the samples of one step."
+    )
+    eval_interval: int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
+    offload_optimizer: bool = Field(False, description="Colocated: move optimizer state to host during generation.")
+
+
+class ResourcesSpec(_Section):
+    device: Literal["cpu", "cuda", "npu"] = Field("cpu", description="Accelerator kind.")
+    trainer_devices: int = Field(1, ge=1, le=4096, description="Trainer ranks (data parallel), one device each.")
+    rollout_devices: int = Field(
+        0, ge=0, le=4096, description="Devices for rollout instances; 0 = share the trainer's (colocated/CPU)."
+    )
+    rollout_workers: int = Field(1, ge=1, le=4096, description="Rollout instances (processes).")
+    eval_devices: int = Field(0, ge=0, le=64, description="Devices of a separate evaluator (0 = none).")
+    threads_per_process: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
+
+    @property
+    def total_devices(self) -> int:
+        """Devices admission must find for this run, all or nothing."""
+        return self.trainer_devices + self.rollout_devices + self.eval_devices
+
+
+class CheckpointSpec(_Section):
+    interval: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    keep_last: int = Field(3, ge=1, le=10_000, description="Newest checkpoints kept.")
+    keep_best_metric: str | None = Field(None, description="Also keep the best checkpoint by this metric.")
+    keep_best_mode: Literal["max", "min"] = Field("max", description="Whether larger or smaller is better.")
+
+
+class MetricsSpec(_Section):
+    progress_bar: bool = Field(True, description="Show a progress line on the terminal.")
+    jsonl: bool = Field(True, description="Write metrics.jsonl in the output directory.")
+    tensorboard: bool = Field(False, description="Write TensorBoard events when tensorboard is installed.")
+
+
+class RunSpec(_Section):
+    name: str = Field("run", min_length=1, max_length=200, description="Run name.")
+    seed: int = Field(0, description="Seed of every random number generator in the run.")
+    output_dir: str = Field("runs/{name}", description="Where metrics, checkpoints and the resolved spec go.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Policy model.")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and reward.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL objective.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Optimisation.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Generation.")
+    pipeline: PipelineSpec = Field(default_factory=PipelineSpec, description="Scheduling of the roles.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Devices and processes.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and retention.")
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metric reporters.")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> RunSpec:
+        errors: list[dict[str, str]] = []
+        if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
+            errors.append({"field": "algorithm.group_size", "message": "GRPO needs a group size of at least 2"})
+        if self.pipeline.mode == "colocated" and self.resources.rollout_devices > 0:
+            errors.append(
+                {
+                    "field": "resources.rollout_devices",
+                    "message": "colocated mode shares the trainer's devices; set rollout_devices to 0",
+                }
+            )
+        if self.resources.device != "cpu" and self.pipeline.mode == "async" and self.resources.rollout_devices == 0:
+            errors.append(
+                {
+                    "field": "resources.rollout_devices",
+                    "message": "async mode on accelerators needs separate rollout devices",
+                }
+            )
+        if self.model.path is None and self.model.builtin is None:
+            errors.append({"field": "model", "message": "set either `builtin` or `path`"})
+        if errors:
+            raise _CombinationError(errors)
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.pipeline.prompts_per_step * self.algorithm.group_size
+
+    @property
+    def queue_capacity(self) -> int:
+        return self.pipeline.queue_capacity or 5 * self.samples_per_step
+
+    def resolved(self) -> dict[str, Any]:
+        """The full spec with every default filled in (JSON-compatible)."""
+        return self.model_dump(mode="json")
+
+    def resolved_output_dir(self) -> Path:
+        return Path(self.output_dir.format(name=self.name))
+
+
+class _CombinationError(ValueError):
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+def _coerce_scalar(text: str) -> Any:
+    """`key=value` override values are parsed as YAML scalars (1, 0.5, true, null, [a, b])."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict (in place, returned)."""
+    errors = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            errors.append({"field": item, "message": "override must look like `section.field=value`"})
+            continue
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                errors.append({"field": key, "message": f"`{part}` is not a section"})
+                break
+            node = child
+        else:
+            node[parts[-1]] = _coerce_scalar(value)
+    if errors:
+        raise SpecError(errors)
+    return data
+
+
+def parse_spec_text(text: str) -> dict[str, Any]:
+    """Parse YAML (a superset of JSON) into a dict, with readable errors."""
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError([{"field": "spec", "message": f"malformed YAML{where}: {getattr(exc, 'problem', exc)}"}]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError([{"field": "spec", "message": "the spec must be a mapping of sections"}])
+    return data
+
+
+def validate_spec(data: dict[str, Any]) -> RunSpec:
+    """Validate a dict into a RunSpec, converting errors to field paths."""
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = []
+        for err in exc.errors():
+            ctx_error = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_error, _CombinationError):
+                errors.extend(ctx_error.errors)
+                continue
+            field = ".".join(str(p) for p in err["loc"]) or "spec"
+            message = err["msg"]
+            if err["type"] == "extra_forbidden":
+                message = "unknown field"
+            errors.append({"field": field, "message": message})
+        raise SpecError(errors) from None
+
+
+def load_spec(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunSpec:
+    """Load a spec from a path, YAML/JSON text, or a dict, then apply overrides."""
+    if isinstance(source, dict):
+        data = json.loads(json.dumps(source))  # deep copy, JSON-safe
+    else:
+        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml", ".json"))):
+            path = Path(source)
+            if not path.is_file():
+                raise SpecError([{"field": "spec", "message": f"no such spec file: {path}"}])
+            source = path.read_text()
+        data = parse_spec_text(str(source))
+    apply_overrides(data, overrides or [])
+    return validate_spec(data)
