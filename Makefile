@@ -1,0 +1,35 @@
+# Tandem: `make demo` runs the platform and a demo RL run on this machine;
+# `make test` runs lint and the whole test suite against throwaway
+# PostgreSQL and Redis instances (installed from Debian packages when
+# missing and run as root).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: venv test lint demo demo-setup bench-quick clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.installed
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	scripts/services.sh run $(BIN)/pytest -q
+
+demo: venv
+	scripts/demo.sh
+
+bench-quick: venv
+	scripts/services.sh run scripts/bench_all.sh --quick
+
+clean:
+	rm -rf var runs .pytest_cache .ruff_cache .mypy_cache
