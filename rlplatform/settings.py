@@ -1,0 +1,207 @@
+"""Django settings for Tandem, read from environment variables.
+
+Every knob comes through the typed helpers in ``rlplatform.env``; unset
+variables give embedded defaults that run on one machine (SQLite under
+``var/``, an in-process channel layer, a filesystem Celery broker under ``var/celery/``).
+docs/control-plane-model.md lists every variable.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from rlplatform.env import env_bool, env_float, env_int, env_list, env_str, parse_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("TANDEM_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = env_str("SECRET_KEY")
+if not SECRET_KEY:
+    # pytest-django loads settings before any conftest can set variables, so a
+    # test run gets a throwaway key; every other start without one is an error.
+    if "pytest" in sys.modules:
+        SECRET_KEY = secrets.token_urlsafe(50)
+    elif not DEBUG:
+        raise ImproperlyConfigured(
+            "environment variable SECRET_KEY is required when DEBUG is off (set DEBUG=true for local development)"
+        )
+    else:  # DEBUG on: a fixed development key, so sessions survive restarts.
+        SECRET_KEY = "tandem-insecure-development-key-do-not-use-in-production"
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# Behind a TLS-terminating proxy: secure cookies, redirect plain HTTP, trust X-Forwarded-Proto.
+TANDEM_HTTPS = env_bool("TANDEM_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = TANDEM_HTTPS
+if TANDEM_HTTPS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_HSTS_SECONDS = env_int("TANDEM_HSTS_SECONDS", 0, minimum=0)
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "rlplatform.apps.RlplatformConfig",
+    "jobs.apps.JobsConfig",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "rlplatform.urls"
+WSGI_APPLICATION = "rlplatform.wsgi.application"
+ASGI_APPLICATION = "rlplatform.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -----------------------------------------------------------------
+DATABASE_URL = env_str("DATABASE_URL")
+if DATABASE_URL:
+    _default_db = parse_database_url(DATABASE_URL)
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    _default_db = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(VAR_DIR / "tandem.sqlite3")}
+if _default_db["ENGINE"].endswith("sqlite3"):
+    # The demo's web server, worker and beat share one file: WAL lets readers run beside
+    # the writer, IMMEDIATE takes the write lock up front (no upgrade deadlocks), and
+    # writers wait up to 20 s instead of failing with "database is locked".
+    _default_db.setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+    )
+# Persistent connections save a connect per request; health checks drop dead ones.
+_default_db["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
+_default_db["CONN_HEALTH_CHECKS"] = True
+DATABASES = {"default": _default_db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: Celery broker and channel layer -------------------------------------
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery (rlplatform/celery.py reads the CELERY_* names). Without Redis, a
+# filesystem broker under var/ lets the web process, a local worker and beat
+# share queues on one machine with nothing else installed.
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_RESULT_BACKEND = REDIS_URL
+else:
+    _celery_dir = VAR_DIR / "celery"
+    for _sub in ("queue", "processed", "results"):
+        (_celery_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_celery_dir / "queue"),
+        "data_folder_out": str(_celery_dir / "queue"),
+        "processed_folder": str(_celery_dir / "processed"),
+        "store_processed": False,
+    }
+    CELERY_RESULT_BACKEND = f"file://{_celery_dir / 'results'}"
+# Eager: tasks run inside the caller (no worker at all); for scripts and debugging.
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_EAGER_PROPAGATES = True
+# Platform tasks go to "default"; each host's worker also consumes its own Host.queue ("host.<name>").
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_ROUTES = {"jobs.tasks.*": {"queue": "default"}}
+CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 300, minimum=1)
+CELERY_TASK_SOFT_TIME_LIMIT = max(1, CELERY_TASK_TIME_LIMIT - 30)
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+TANDEM_ADMISSION_INTERVAL_S = env_float("TANDEM_ADMISSION_INTERVAL_S", 10.0, minimum=0.5)
+TANDEM_ACCOUNTING_INTERVAL_S = env_float("TANDEM_ACCOUNTING_INTERVAL_S", 60.0, minimum=1.0)
+CELERY_BEAT_SCHEDULE = {
+    "admit-pending": {"task": "jobs.tasks.admit_pending", "schedule": TANDEM_ADMISSION_INTERVAL_S},
+    "accrue-device-time": {"task": "jobs.tasks.accrue_device_time", "schedule": TANDEM_ACCOUNTING_INTERVAL_S},
+}
+
+# --- Platform knobs -------------------------------------------------------------
+# Limits of the quota created with an experiment when none is given.
+TANDEM_DEFAULT_QUOTA = {
+    "max_devices": env_int("TANDEM_DEFAULT_MAX_DEVICES", 8, minimum=0),
+    "max_concurrent_runs": env_int("TANDEM_DEFAULT_MAX_RUNS", 4, minimum=0),
+    "max_rollout_workers": env_int("TANDEM_DEFAULT_MAX_ROLLOUT_WORKERS", 64, minimum=0),
+    "device_hour_budget": env_float("TANDEM_DEFAULT_DEVICE_HOURS", None, minimum=0.0),
+}
+# Off: a run that waits for free devices holds back lower-ordered runs of its
+# group (no starvation of large gangs). On: smaller runs may jump ahead.
+TANDEM_ADMISSION_BACKFILL = env_bool("TANDEM_ADMISSION_BACKFILL", False)
+TANDEM_TOKEN_TTL_DAYS = env_int("TANDEM_TOKEN_TTL_DAYS", 90, minimum=1, maximum=3650)
+
+# --- Auth, REST framework, OpenAPI -------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rlplatform.api_auth.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Tandem API",
+    "DESCRIPTION": "Control plane of Tandem: teams, resource groups, quotas, experiments and runs.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- I18N, static files, logging ----------------------------------------------------
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "frontend"]
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(BASE_DIR / "static_root")))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,242 @@
+"""Gang admission: order, all-or-nothing, packing, quota and budget reasons, queue positions."""
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from jobs import admission, handler
+from jobs.models import Allocation, Run
+from jobs.states import RunState
+from rlplatform.models import Device, HostStatus
+
+pytestmark = pytest.mark.django_db
+
+
+def _devices_of(run):
+    return sorted(Allocation.objects.active().filter(run=run).values_list("device__host__name", "device__index"))
+
+
+def _state(run):
+    run.refresh_from_db()
+    return run.state, run.queue_position, run.reason
+
+
+def test_priority_then_fifo(make_group, make_experiment, team_a, submit, complete):
+    group = make_group("g", hosts=[("h1", 2, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    first = submit(exp, 2)
+    low_early = submit(exp, 2)
+    high = submit(exp, 2, priority=5)
+    low_late = submit(exp, 2)
+    assert first.state == RunState.ADMITTED
+    assert _state(high) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 2, free 0)")
+    assert _state(low_early) == (RunState.QUEUED, 2, f"waiting behind run {high.pk} for free cpu devices")
+    assert _state(low_late) == (RunState.QUEUED, 3, f"waiting behind run {high.pk} for free cpu devices")
+
+    complete(first)  # frees 2 devices: the high-priority run goes next, then FIFO among equals
+    assert _state(high) == (RunState.ADMITTED, None, "")
+    assert _state(low_early)[:2] == (RunState.QUEUED, 1)
+    assert _state(low_late)[:2] == (RunState.QUEUED, 2)
+
+    handler.cancel_run(None, high)
+    assert _state(low_early) == (RunState.ADMITTED, None, "")
+    assert _state(low_late)[:2] == (RunState.QUEUED, 1)
+
+
+def test_run_priority_falls_back_to_quota_priority(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 1, None)], teams=[team_a])
+    low = make_experiment(team_a, group, "low", priority=0)
+    high = make_experiment(team_a, group, "high", priority=10)
+    blocker = submit(low, 1)
+    from_low = submit(low, 1)
+    from_high = submit(high, 1)
+    overridden = submit(low, 1, priority=20)
+    assert blocker.state == RunState.ADMITTED
+    assert [_state(r)[1] for r in (overridden, from_high, from_low)] == [1, 2, 3]
+
+
+def test_gang_is_all_or_nothing(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 4, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    big = submit(exp, 3)
+    waiting = submit(exp, 2)
+    assert big.state == RunState.ADMITTED
+    assert len(_devices_of(big)) == 3
+    assert _state(waiting) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 2, free 1)")
+    assert Allocation.objects.filter(run=waiting).count() == 0
+    assert Allocation.objects.active().count() == 3
+
+
+def test_packs_onto_one_host_then_one_switch(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 3, "sw1"), ("h2", 3, "sw2"), ("h3", 2, "sw2")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e", max_devices=8)
+    pair = submit(exp, 2)
+    assert _devices_of(pair) == [("g-h3", 0), ("g-h3", 1)]  # tightest host that fits
+    five_group = make_group("g5", hosts=[("h1", 3, "sw1"), ("h2", 3, "sw2"), ("h3", 2, "sw2")], teams=[team_a])
+    exp5 = make_experiment(team_a, five_group, "e5", max_devices=8)
+    five = submit(exp5, 5)
+    # No host has 5; switch sw2 has exactly 5, so the gang stays on one switch.
+    assert _devices_of(five) == [("g5-h2", 0), ("g5-h2", 1), ("g5-h2", 2), ("g5-h3", 0), ("g5-h3", 1)]
+
+
+def test_unhealthy_devices_and_lost_hosts_are_not_used(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 2, "sw1"), ("h2", 2, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    Device.objects.filter(host__name="g-h1", index=0).update(healthy=False)
+    group.hosts.filter(name="g-h2").update(status=HostStatus.LOST)
+    one = submit(exp, 1)
+    assert _devices_of(one) == [("g-h1", 1)]
+    two = submit(exp, 2)
+    # Only one healthy device on an online host exists: the run waits, and says why, without blocking others.
+    assert _state(two) == (
+        RunState.QUEUED,
+        1,
+        "needs 2 devices; group g has 1 healthy devices on online hosts",
+    )
+
+
+def test_device_quota_reason_and_lowering_below_use(make_group, make_experiment, team_a, submit, owner):
+    group = make_group("g", hosts=[("h1", 8, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e", max_devices=4)
+    a = submit(exp, 2)
+    b = submit(exp, 2)
+    c = submit(exp, 1)
+    assert (a.state, b.state) == (RunState.ADMITTED, RunState.ADMITTED)
+    assert _state(c) == (RunState.QUEUED, 1, "quota: 4/4 devices in use, run needs 1")
+
+    handler.update_quota(owner, exp.quota, max_devices=1)
+    # Nothing that holds devices is stopped; the new limit only holds back admissions.
+    assert _state(a)[0] == _state(b)[0] == RunState.ADMITTED
+    assert Allocation.objects.active().count() == 4
+    assert _state(c) == (RunState.QUEUED, 1, "quota: 4/1 devices in use, run needs 1")
+
+    handler.update_quota(owner, exp.quota, max_devices=5)
+    assert _state(c) == (RunState.ADMITTED, None, "")
+
+
+def test_concurrent_runs_and_rollout_worker_reasons(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 8, "sw1")], teams=[team_a])
+    runs_exp = make_experiment(team_a, group, "runs", max_concurrent_runs=2)
+    workers_exp = make_experiment(team_a, group, "workers", max_rollout_workers=6)
+    submit(runs_exp, 1)
+    submit(runs_exp, 1)
+    third = submit(runs_exp, 1)
+    assert _state(third) == (RunState.QUEUED, 1, "quota: 2/2 concurrent runs")
+    submit(workers_exp, 1, rollout_workers=4)
+    over = submit(workers_exp, 1, rollout_workers=3)
+    assert _state(over) == (RunState.QUEUED, 2, "quota: 4/6 rollout workers in use, run needs 3")
+
+
+def test_budget_exhausted_keeps_runs_queued(make_group, make_experiment, team_a, submit, owner):
+    group = make_group("g", hosts=[("h1", 4, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e", device_hour_budget=10.0)
+    type(exp.quota).objects.filter(pk=exp.quota.pk).update(device_seconds_used=10 * 3600.0)
+    run = submit(exp, 1)
+    assert _state(run) == (RunState.QUEUED, 1, "device-hour budget exhausted (10.0/10.0 h)")
+    assert Allocation.objects.count() == 0
+    handler.update_quota(owner, exp.quota, device_hour_budget=12.5)
+    assert _state(run)[0] == RunState.ADMITTED
+
+
+def test_quota_blocked_run_does_not_hold_back_other_experiments(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 4, "sw1")], teams=[team_a])
+    full = make_experiment(team_a, group, "full", max_devices=1, priority=10)
+    other = make_experiment(team_a, group, "other")
+    submit(full, 1)
+    blocked = submit(full, 1)
+    free_rider = submit(other, 2)
+    assert _state(blocked)[:2] == (RunState.QUEUED, 1)
+    assert free_rider.state == RunState.ADMITTED
+
+
+def test_waiting_gang_holds_back_smaller_runs_unless_backfill(make_group, make_experiment, team_a, submit, settings):
+    group = make_group("g", hosts=[("h1", 4, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    submit(exp, 3)
+    big = submit(exp, 4)
+    small = submit(exp, 1)
+    assert _state(small) == (RunState.QUEUED, 2, f"waiting behind run {big.pk} for free cpu devices")
+
+    settings.TANDEM_ADMISSION_BACKFILL = True
+    assert admission.admit_group(group.pk) == [small.pk]
+    assert _state(big) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 4, free 1)")
+
+
+def test_positions_are_per_group(make_group, make_experiment, team_a, submit):
+    g1 = make_group("g1", hosts=[("h1", 1, None)], teams=[team_a])
+    g2 = make_group("g2", hosts=[("h1", 1, None)], teams=[team_a])
+    e1 = make_experiment(team_a, g1, "e1")
+    e2 = make_experiment(team_a, g2, "e2")
+    submit(e1, 1)
+    submit(e2, 1)
+    q1 = [submit(e1, 1) for _ in range(2)]
+    q2 = [submit(e2, 1) for _ in range(3)]
+    assert [_state(r)[1] for r in q1] == [1, 2]
+    assert [_state(r)[1] for r in q2] == [1, 2, 3]
+    assert handler.queue_info(q2[2]) == {
+        "state": RunState.QUEUED,
+        "reason": f"waiting behind run {q2[0].pk} for free cpu devices",
+        "queue_position": 3,
+    }
+
+
+def test_requeued_preempted_run_waits_for_devices(make_group, make_experiment, team_a, submit):
+    group = make_group("g", hosts=[("h1", 1, None)], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    victim = submit(exp, 1)
+    winner = submit(exp, 1, priority=100)
+    handler.finish_run(victim, RunState.PREEMPTED, "preempted by a higher-priority run")
+    assert _state(winner)[0] == RunState.ADMITTED
+    victim.refresh_from_db()
+    assert victim.reason == "preempted by a higher-priority run"
+    handler.requeue_run(victim)
+    assert _state(victim) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 1, free 0)")
+
+
+def test_set_priority_reorders_the_queue(make_group, make_experiment, team_a, submit, owner):
+    group = make_group("g", hosts=[("h1", 1, None)], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    submit(exp, 1)
+    first, second = submit(exp, 1), submit(exp, 1)
+    handler.set_priority(owner, second, 3)
+    assert (_state(second)[1], _state(first)[1]) == (1, 2)
+
+
+def test_a_pass_over_a_thousand_queued_runs_is_a_few_queries(
+    make_group, make_experiment, team_a, submit, django_assert_max_num_queries
+):
+    group = make_group("g", hosts=[("h1", 2, None)], teams=[team_a])
+    exp = make_experiment(team_a, group, "e", max_concurrent_runs=1)
+    submit(exp, 1)
+    Run.objects.bulk_create(
+        Run(
+            experiment=exp,
+            name=f"r{i}",
+            spec="{}",
+            resolved_spec={},
+            devices_requested=1,
+            rollout_workers=1,
+            reason="new",
+        )
+        for i in range(1000)
+    )
+    with django_assert_max_num_queries(20):  # not one per run
+        assert admission.admit_group(group.pk) == []
+    queued = list(Run.objects.queued().order_by("submitted_at", "pk").values_list("queue_position", "reason"))
+    assert queued == [(i, "quota: 1/1 concurrent runs") for i in range(1, 1001)]
+    with CaptureQueriesContext(connection) as second_pass:
+        admission.admit_group(group.pk)
+    # Nothing changed since the first pass, so nothing is written.
+    assert [q["sql"] for q in second_pass.captured_queries if q["sql"].startswith(("UPDATE", "INSERT"))] == []
+
+
+def test_cancelling_a_queued_run_moves_the_others_up(make_group, make_experiment, team_a, submit, owner):
+    group = make_group("g", hosts=[("h1", 1, None)], teams=[team_a])
+    exp = make_experiment(team_a, group, "e")
+    holder = submit(exp, 1)
+    first, second, third = submit(exp, 1), submit(exp, 1), submit(exp, 1)
+    handler.cancel_run(owner, first)
+    assert _state(first)[:2] == (RunState.CANCELLED, None)
+    assert [_state(r)[1] for r in (second, third)] == [1, 2]
+    assert _state(second)[2] == "no free cpu devices in group g (need 1, free 0)"
+    assert _devices_of(holder) == [("g-h1", 0)]

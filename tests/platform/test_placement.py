@@ -1,0 +1,38 @@
+"""Device placement rules (pure): one host, then one switch, then fewest hosts."""
+
+from jobs.placement import place
+
+
+def test_prefers_the_tightest_single_host():
+    free = {1: [10, 11, 12, 13], 2: [20, 21], 3: [30, 31, 32]}
+    assert place(2, free, {}) == [20, 21]
+    assert place(3, free, {}) == [30, 31, 32]
+    assert place(4, free, {}) == [10, 11, 12, 13]
+
+
+def test_single_switch_beats_fewer_hosts_across_switches():
+    free = {1: [10, 11, 12], 2: [20, 21, 22], 3: [30, 31]}
+    switches = {1: "sw1", 2: "sw2", 3: "sw2"}
+    # Fewest hosts alone would take host 1 + host 2 (two switches); one switch keeps the gang on sw2.
+    assert place(5, free, switches) == [20, 21, 22, 30, 31]
+
+
+def test_falls_back_to_fewest_hosts_when_no_switch_fits():
+    free = {1: [10], 2: [20, 21, 22], 3: [30, 31]}
+    switches = {1: "sw1", 2: "sw2", 3: "sw3"}
+    assert place(5, free, switches) == [20, 21, 22, 30, 31]
+
+
+def test_hosts_without_switch_label_are_never_grouped():
+    free = {1: [10, 11], 2: [20, 21]}
+    assert place(3, free, {1: None, 2: None}) == [10, 11, 20]
+
+
+def test_gang_is_all_or_nothing():
+    free = {1: [10, 11], 2: [20]}
+    assert place(4, free, {1: "sw", 2: "sw"}) is None
+    assert place(3, free, {1: "sw", 2: "sw"}) == [10, 11, 20]
+
+
+def test_zero_devices_needs_nothing():
+    assert place(0, {}, {}) == []
