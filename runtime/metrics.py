@@ -1,0 +1,563 @@
+"""Metric names, reporters, the step timer and train-inference consistency.
+
+Every key a runtime component reports is one of :data:`METRICS` (a name and
+its one-line meaning); use the constants, not string literals. Reporters
+implement :class:`Reporter`: a terminal progress line, a JSONL file,
+TensorBoard (when installed), and the platform's HTTP reporter
+(``runtime.reporting_http``). This module needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Protocol, runtime_checkable
+
+# --------------------------------------------------------------------------- names
+
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+ACCURACY = "accuracy"
+EVAL_ACCURACY = "eval/accuracy"
+LOSS_POLICY = "loss/policy"
+LOSS_VALUE = "loss/value"
+LOSS_KL = "loss/kl"
+ENTROPY = "entropy"
+KL_REF = "kl_ref"
+CLIP_FRACTION = "clip_fraction"
+GRAD_NORM = "grad_norm"
+LR = "lr"
+RESPONSE_LEN_MEAN = "response_len/mean"
+RESPONSE_LEN_MAX = "response_len/max"
+STALENESS_MEAN = "staleness/mean"
+STALENESS_MAX = "staleness/max"
+QUEUE_DEPTH = "queue/depth"
+QUEUE_WATERMARK = "queue/watermark"
+SAMPLES_DROPPED_STALE = "samples/dropped_stale"
+GEN_TOKENS_PER_S = "throughput/gen_tokens_per_s"
+TRAIN_TOKENS_PER_S = "throughput/train_tokens_per_s"
+SAMPLES_PER_S = "throughput/samples_per_s"
+TIME_GENERATE = "time/generate"
+TIME_TRAIN = "time/train"
+TIME_WEIGHT_SYNC = "time/weight_sync"
+TIME_WAIT = "time/wait"
+BUBBLE_TRAINER = "bubble/trainer"
+PADDING_RATIO = "train/padding_ratio"
+CONSISTENCY_DIFF_MEAN = "consistency/logprob_diff_mean"
+CONSISTENCY_DIFF_MAX = "consistency/logprob_diff_max"
+CONSISTENCY_KL = "consistency/kl"
+WEIGHTS_VERSION = "weights/version"
+
+METRICS: dict[str, str] = {
+    REWARD_MEAN: "Mean reward of the samples trained on in this step.",
+    REWARD_STD: "Standard deviation of those rewards.",
+    ACCURACY: "Fraction of this step's samples the task's verifier judged correct.",
+    EVAL_ACCURACY: "Greedy accuracy on the held-out prompts (reported on evaluation steps only).",
+    LOSS_POLICY: "Clipped-surrogate policy loss (after loss aggregation).",
+    LOSS_VALUE: "Critic (value-function) loss; PPO only.",
+    LOSS_KL: "KL penalty term added to the loss: kl_coef x the k3 estimate against the reference.",
+    ENTROPY: "Mean per-token entropy of the policy on this step's responses (nats).",
+    KL_REF: "Mean per-token k3 estimate of KL(policy || reference) (nats).",
+    CLIP_FRACTION: "Fraction of response tokens whose probability ratio hit the clip range.",
+    GRAD_NORM: "Global gradient norm before clipping.",
+    LR: "Policy learning rate used by this step's optimizer update.",
+    RESPONSE_LEN_MEAN: "Mean response length of this step's samples (tokens).",
+    RESPONSE_LEN_MAX: "Longest response of this step's samples (tokens).",
+    STALENESS_MEAN: "Mean over this step's samples of (trainer weight version - sample version).",
+    STALENESS_MAX: "Largest such lag in this step; never above pipeline.max_policy_lag.",
+    QUEUE_DEPTH: "Samples waiting in the sample queue when the trainer took its batch.",
+    QUEUE_WATERMARK: "High-water mark: most samples the queue held since the previous step.",
+    SAMPLES_DROPPED_STALE: "Samples discarded for exceeding max_policy_lag, cumulative over the run.",
+    GEN_TOKENS_PER_S: "Response tokens generated per second of generation time.",
+    TRAIN_TOKENS_PER_S: "Tokens (prompt + response) trained on per second of training time.",
+    SAMPLES_PER_S: "Samples consumed per second of wall-clock step time.",
+    TIME_GENERATE: "Seconds spent generating in this step (by the role that reports it).",
+    TIME_TRAIN: "Seconds the trainer spent computing (forward, backward, optimizer) in this step.",
+    TIME_WEIGHT_SYNC: "Seconds spent publishing / loading new weights in this step.",
+    TIME_WAIT: "Seconds the trainer spent waiting for samples in this step.",
+    BUBBLE_TRAINER: "Trainer bubble fraction: time/wait divided by the trainer's step time (0..1).",
+    PADDING_RATIO: "Padding tokens / all tokens in the training micro-batches (wasted compute).",
+    CONSISTENCY_DIFF_MEAN: "Mean |engine logprob - trainer logprob| over the step's response tokens.",
+    CONSISTENCY_DIFF_MAX: "Largest such difference in this step.",
+    CONSISTENCY_KL: "Per-token k3 estimate of KL(engine || trainer) on the engine's sampled tokens.",
+    WEIGHTS_VERSION: "Version of the trainer's weights after this step.",
+}
+
+
+class ReporterError(Exception):
+    """A reporter cannot be built or used as asked (missing package, bad path, bad value)."""
+
+
+# --------------------------------------------------------------------------- the reporter interface
+
+
+@runtime_checkable
+class Reporter(Protocol):
+    """Where per-step metrics and events go. Implementations must not raise on a
+    flaky destination during a run; they buffer or drop with a message."""
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record the metrics of ``step`` (keys from :data:`METRICS`, or extra keys of a plug-in)."""
+
+    def event(self, kind: str, payload: Mapping[str, Any]) -> None:
+        """Record a one-off event: ``checkpoint``, ``eval``, ``resume``, ``error`` …"""
+
+    def close(self) -> None:
+        """Flush and release resources; further calls are errors."""
+
+
+def clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """Metric values as plain JSON numbers: ints stay ints, tensors / numpy scalars become floats,
+    NaN and infinities become None (JSON has no spelling for them)."""
+    out: dict[str, float | int | None] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise ReporterError(f"metric name {key!r} is not a string")
+        if isinstance(value, bool):
+            out[key] = int(value)
+        elif isinstance(value, int):
+            out[key] = value
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise ReporterError(f"metric {key!r}: {value!r} is not a number") from None
+            out[key] = number if math.isfinite(number) else None
+    return out
+
+
+def plain_json(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """An event payload as strict JSON data: odd objects (paths, …) become strings, NaN and
+    infinities become None."""
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [finite(v) for v in value]
+        return value
+
+    return finite(json.loads(json.dumps(dict(payload), default=str)))
+
+
+# --------------------------------------------------------------------------- terminal progress
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def format_progress(
+    step: int, total: int | None, metrics: Mapping[str, Any], bar_width: int = 0, eta_s: float | None = None
+) -> str:
+    """One compact progress line, e.g.
+    ``step 12/50 | reward 0.425 | acc 0.375 | stale 0.50/1 | gen 1234 tok/s | 2.5 samples/s``.
+    Fields whose metric is absent are left out."""
+    m = clean_metrics(metrics)
+    head = f"step {step}/{total}" if total else f"step {step}"
+    if bar_width and total:
+        filled = min(bar_width, int(bar_width * step / total))
+        head = f"[{'#' * filled}{'.' * (bar_width - filled)}] {head}"
+    parts = [head]
+    if REWARD_MEAN in m:
+        parts.append(f"reward {_fmt(m[REWARD_MEAN])}")
+    if ACCURACY in m:
+        parts.append(f"acc {_fmt(m[ACCURACY])}")
+    if EVAL_ACCURACY in m:
+        parts.append(f"eval {_fmt(m[EVAL_ACCURACY])}")
+    if STALENESS_MEAN in m or STALENESS_MAX in m:
+        parts.append(f"stale {_fmt(m.get(STALENESS_MEAN), 2)}/{_fmt(m.get(STALENESS_MAX), 0)}")
+    if GEN_TOKENS_PER_S in m:
+        parts.append(f"gen {_fmt(m[GEN_TOKENS_PER_S], 0)} tok/s")
+    if SAMPLES_PER_S in m:
+        parts.append(f"{_fmt(m[SAMPLES_PER_S], 1)} samples/s")
+    if eta_s is not None:
+        parts.append(f"eta {_fmt_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+class ProgressReporter:
+    """A progress line per step on ``stream`` (stderr by default).
+
+    On a terminal the line is redrawn in place with a bar and an ETA; when the
+    stream is not a TTY (logs, CI) each step is a plain line of its own.
+    """
+
+    def __init__(
+        self,
+        total_steps: int | None = None,
+        stream: IO[str] | None = None,
+        tty: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.total = total_steps
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = tty if tty is not None else bool(getattr(self.stream, "isatty", lambda: False)())
+        self._clock = clock
+        self._first: tuple[int, float] | None = None
+        self._open_line = 0  # width of the redrawn line currently on screen (TTY)
+
+    def _eta(self, step: int) -> float | None:
+        now = self._clock()
+        if self._first is None:
+            self._first = (step, now)
+            return None
+        first_step, first_time = self._first
+        if not self.total or step <= first_step:
+            return None
+        return (now - first_time) / (step - first_step) * max(0, self.total - step)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        eta = self._eta(step)
+        if self.tty:
+            line = format_progress(step, self.total, metrics, bar_width=20, eta_s=eta)
+            self.stream.write("\r" + line.ljust(self._open_line))
+            self._open_line = len(line)
+        else:
+            self.stream.write(format_progress(step, self.total, metrics) + "\n")
+        self.stream.flush()
+
+    def event(self, kind: str, payload: Mapping[str, Any]) -> None:
+        self._end_line()
+        details = " ".join(f"{k}={v}" for k, v in payload.items())
+        self.stream.write(f"[{kind}] {details}".rstrip() + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self._end_line()
+        self.stream.flush()
+
+    def _end_line(self) -> None:
+        if self._open_line:
+            self.stream.write("\n")
+            self._open_line = 0
+
+
+# --------------------------------------------------------------------------- JSONL file
+
+
+class JsonlReporter:
+    """One JSON object per line: ``{"step": …, "time": …, <metric>: …}`` per step and
+    ``{"time": …, "event": kind, "payload": {…}}`` per event.
+
+    The file is opened in append mode, so a resumed run continues it. Pass
+    ``truncate_at`` (the :meth:`cursor` saved in the checkpoint) to first cut
+    off what was written after that checkpoint, so resumed steps are not
+    duplicated. Without it, only a torn last line (a crash mid-write) is removed.
+    Each line is flushed as written.
+    """
+
+    RESERVED = ("step", "time", "event")
+
+    def __init__(self, path: str | Path, truncate_at: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        size = self.path.stat().st_size if self.path.exists() else 0
+        if truncate_at is not None:
+            if truncate_at < 0 or truncate_at > size:
+                raise ReporterError(
+                    f"{self.path}: cannot resume at byte {truncate_at}; the file has {size} bytes "
+                    "(was it replaced or lost after the checkpoint?)"
+                )
+            _truncate(self.path, truncate_at)
+        elif size:
+            _truncate(self.path, end_of_last_line(self.path))
+        self._fh = open(self.path, "ab")  # binary: tell() is then a true byte offset (the cursor)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        clash = [k for k in self.RESERVED if k in metrics]
+        if clash:
+            raise ReporterError(f"metric name(s) {clash} are reserved in the JSONL record")
+        record: dict[str, Any] = {"step": int(step), "time": time.time()}
+        record.update(clean_metrics(metrics))
+        self._write(record)
+
+    def event(self, kind: str, payload: Mapping[str, Any]) -> None:
+        self._write({"time": time.time(), "event": kind, "payload": plain_json(payload)})
+
+    def cursor(self) -> int:
+        """Bytes written so far, flushed and fsynced so the offset is durable: store it in a checkpoint
+        (the *metrics cursor*) and pass it back as ``truncate_at`` on resume."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        return self._fh.tell()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        self._fh.write(json.dumps(record, allow_nan=False).encode() + b"\n")
+        self._fh.flush()
+
+
+def end_of_last_line(path: Path) -> int:
+    """Offset just after the last newline (0 if none)."""
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        end = fh.tell()
+        pos = end
+        while pos > 0:
+            step = min(4096, pos)
+            fh.seek(pos - step)
+            chunk = fh.read(step)
+            idx = chunk.rfind(b"\n")
+            if idx >= 0:
+                return pos - step + idx + 1
+            pos -= step
+        return 0
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(size)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(step records, event records) of a metrics JSONL file, in file order; a torn last line is skipped."""
+    steps: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # unterminated last line: a crash mid-write
+                break
+            raise ReporterError(f"{path}: line {i + 1} is not JSON") from None
+        (events if "event" in record else steps).append(record)
+    return steps, events
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+class TensorBoardReporter:
+    """Scalars to TensorBoard event files in ``log_dir``; needs the ``tensorboard`` package."""
+
+    def __init__(self, log_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ReporterError(
+                f"TensorBoard reporting needs the `tensorboard` package ({exc}); "
+                "install it with `pip install tensorboard` or set metrics.tensorboard=false"
+            ) from None
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in clean_metrics(metrics).items():
+            if value is not None:
+                self._writer.add_scalar(key, value, global_step=step)
+
+    def event(self, kind: str, payload: Mapping[str, Any]) -> None:
+        self._writer.add_text(f"event/{kind}", json.dumps(dict(payload), default=str))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def tensorboard_available() -> bool:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- fan-out and construction
+
+
+class MultiReporter:
+    """Sends every call to each reporter; ``close()`` closes all even if one fails."""
+
+    def __init__(self, reporters: list[Reporter] | None = None):
+        self.reporters: list[Reporter] = list(reporters or [])
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        for r in self.reporters:
+            r.report(step, metrics)
+
+    def event(self, kind: str, payload: Mapping[str, Any]) -> None:
+        for r in self.reporters:
+            r.event(kind, payload)
+
+    def close(self) -> None:
+        first: BaseException | None = None
+        for r in self.reporters:
+            try:
+                r.close()
+            except Exception as exc:  # close the rest, then surface the first failure
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def find(self, kind: type) -> Any:
+        """The first reporter of a type (e.g. the JsonlReporter, for its cursor), or None."""
+        return next((r for r in self.reporters if isinstance(r, kind)), None)
+
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def build_reporters(
+    metrics_spec: Any,
+    output_dir: str | Path,
+    total_steps: int | None = None,
+    jsonl_cursor: int | None = None,
+    stream: IO[str] | None = None,
+) -> MultiReporter:
+    """Reporters named by a ``MetricsSpec``: progress line, ``<output_dir>/metrics.jsonl``
+    (resumed at ``jsonl_cursor`` when given), ``<output_dir>/tensorboard/``. TensorBoard
+    without the package is skipped with a warning, not an error: the run is still useful."""
+    output_dir = Path(output_dir)
+    reporters: list[Reporter] = []
+    if metrics_spec.progress_bar:
+        reporters.append(ProgressReporter(total_steps, stream=stream))
+    if metrics_spec.jsonl:
+        reporters.append(JsonlReporter(output_dir / METRICS_FILE, truncate_at=jsonl_cursor))
+    if metrics_spec.tensorboard:
+        if tensorboard_available():
+            reporters.append(TensorBoardReporter(output_dir / TENSORBOARD_DIR))
+        else:
+            warnings.warn(
+                "metrics.tensorboard is on but the `tensorboard` package is not installed; "
+                "TensorBoard output is skipped (pip install tensorboard)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return MultiReporter(reporters)
+
+
+# --------------------------------------------------------------------------- time split
+
+
+STANDARD_SECTIONS = ("generate", "train", "weight_sync", "wait")
+
+
+class StepTimer:
+    """Accumulates seconds per named section within a step.
+
+    ``with timer.section("generate"): …``; ``timer.split()`` gives
+    ``{"time/generate": s, "time/train": s, "time/weight_sync": s, "time/wait": s, …}``
+    (the four standard sections always present) and ``timer.lap()`` returns the
+    split and starts the next step. Thread-safe: in async mode several roles
+    time sections at once, so sections may overlap and their sum can exceed
+    wall time.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._totals: dict[str, float] = {}
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if not name or "/" in name:
+            raise ValueError(f"section name {name!r} must be non-empty and contain no '/'")
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add(name, self._clock() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add time measured elsewhere (e.g. reported by a rollout process)."""
+        if seconds < 0:
+            raise ValueError(f"section {name!r}: negative duration {seconds}")
+        with self._lock:
+            self._totals[name] = self._totals.get(name, 0.0) + seconds
+
+    def split(self) -> dict[str, float]:
+        with self._lock:
+            out = {f"time/{n}": 0.0 for n in STANDARD_SECTIONS}
+            out.update({f"time/{n}": s for n, s in self._totals.items()})
+            return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._totals.clear()
+
+    def lap(self) -> dict[str, float]:
+        """The split so far, then reset for the next step."""
+        with self._lock:
+            out = {f"time/{n}": 0.0 for n in STANDARD_SECTIONS}
+            out.update({f"time/{n}": s for n, s in self._totals.items()})
+            self._totals.clear()
+            return out
+
+
+Timer = StepTimer  # the name the runtime contract uses
+
+
+def bubble_fraction(wait_s: float, step_s: float) -> float:
+    """Share of a trainer step spent waiting for data, in [0, 1]; 0 for an empty step."""
+    if wait_s < 0 or step_s < 0:
+        raise ValueError(f"durations must be >= 0 (wait_s={wait_s}, step_s={step_s})")
+    if step_s == 0:
+        return 0.0
+    return min(1.0, wait_s / step_s)
+
+
+# --------------------------------------------------------------------------- train-inference consistency
+
+
+def consistency_metrics(engine_logprobs: list[list[float]], trainer_logprobs: list[list[float]]) -> dict[str, float]:
+    """How far the generation engine's log-probabilities are from the trainer's on the same tokens.
+
+    Per response token t with engine log-prob ``e`` and trainer log-prob ``p``:
+    ``|e - p|`` averaged (token mean over all sequences) and maximised, and the
+    **k3 estimator** of KL(engine || trainer): with ``r = exp(p - e)``,
+    ``k3 = (r - 1) - log r`` — unbiased because the tokens were sampled from
+    the engine, never negative, and small-variance when the two agree (it is
+    ~ (p - e)^2 / 2 for small differences). All three are 0 when there are no tokens.
+    """
+    if len(engine_logprobs) != len(trainer_logprobs):
+        raise ValueError(
+            f"engine_logprobs has {len(engine_logprobs)} sequences, trainer_logprobs {len(trainer_logprobs)}"
+        )
+    diffs: list[float] = []
+    k3s: list[float] = []
+    for i, (eng, trn) in enumerate(zip(engine_logprobs, trainer_logprobs, strict=True)):
+        if len(eng) != len(trn):
+            raise ValueError(f"sequence {i}: engine has {len(eng)} logprobs, trainer {len(trn)}")
+        for e, p in zip(eng, trn, strict=True):
+            delta = float(p) - float(e)
+            diffs.append(abs(delta))
+            if not math.isfinite(delta) or delta > 700:  # a zero-probability token on one side
+                k3s.append(math.inf)
+            else:
+                # expm1 keeps (r - 1) exact for tiny deltas, where the two engines nearly agree.
+                k3s.append(math.expm1(delta) - delta)
+    if not diffs:
+        return {CONSISTENCY_DIFF_MEAN: 0.0, CONSISTENCY_DIFF_MAX: 0.0, CONSISTENCY_KL: 0.0}
+    return {
+        CONSISTENCY_DIFF_MEAN: math.fsum(diffs) / len(diffs),
+        CONSISTENCY_DIFF_MAX: max(diffs),
+        CONSISTENCY_KL: math.fsum(k3s) / len(k3s),
+    }
