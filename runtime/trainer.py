@@ -1,0 +1,654 @@
+"""The trainer role: turns a step's samples into optimizer updates.
+
+One :meth:`Trainer.train_step` call does, in order:
+
+1. staleness and reward statistics of the samples (``trainer version - sample version``);
+2. advantages — GRPO group-normalised (groups gathered across data-parallel
+   ranks) or PPO GAE from the critic's values (whitened across ranks);
+3. a no-grad scoring pass where needed: proximal log-probs (the policy before
+   this step's updates, for the off-policy correction), reference log-probs
+   (only when ``algorithm.kl_coef > 0`` and a reference is given), the
+   critic's old values (PPO);
+4. ``trainer.updates_per_step`` mini-batches, each split into micro-batches
+   by a token budget over length-sorted sequences (little padding), gradient
+   accumulation with the loss normalised by the whole mini-batch's token /
+   sequence counts across ranks (so it equals the full-batch loss), an
+   all-reduce of gradients over the process group (data parallel, ranks hold
+   disjoint shards of samples), then the algorithm's parameter-update step
+   (default: gradient clipping, AdamW, linear warm-up).
+
+With ``updates_per_step == 1`` the proximal policy *is* the policy being
+differentiated, so its log-probs are the detached log-probs of the training
+forward pass and the extra scoring pass is skipped.
+
+Sequences are right-padded; position ids count real tokens
+(:func:`runtime.models.positions_from_mask`) and log-probs use
+:func:`runtime.models.logprobs_from_logits` at the rollout temperature, the
+same math as the engine's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from runtime import metrics as M
+from runtime.algos.core import aggregate_loss, entropy_from_logits, gae, grpo_advantages, importance_weights, whiten
+from runtime.algos.core import value_loss as value_loss_fn
+from runtime.algos.registry import PolicyBatch, UpdateContext, adamw_update, get_algorithm
+from runtime.models.logprobs import logprobs_from_logits, positions_from_mask, token_logprobs
+from runtime.samples import Sample
+
+
+class TrainerError(ValueError):
+    """Bad input to the trainer (message names the field or sample)."""
+
+
+# --------------------------------------------------------------------------- micro-batching
+
+
+def make_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most ``token_budget`` padded tokens.
+
+    Sequences are sorted by length (longest first, ties by index) and packed
+    greedily: a micro-batch of ``b`` sequences whose longest has ``L`` tokens
+    costs ``b * L``. A sequence longer than the budget gets a micro-batch of
+    its own. Deterministic for a given input.
+    """
+    if token_budget < 1:
+        raise TrainerError("trainer.micro_batch_tokens must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if current and (len(current) + 1) * new_longest > token_budget:
+            batches.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padded_tokens(lengths: list[int], batches: list[list[int]]) -> int:
+    """Tokens the forward passes of ``batches`` process, padding included."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
+
+
+def padding_ratio(lengths: list[int], batches: list[list[int]]) -> float:
+    """Padding tokens / all processed tokens of ``batches`` (0 when nothing is processed)."""
+    total = padded_tokens(lengths, batches)
+    return 0.0 if total == 0 else 1.0 - sum(lengths[i] for b in batches for i in b) / total
+
+
+@dataclass
+class _MicroBatch:
+    """Right-padded sequences and where their response tokens sit in the ``[B, L-1]`` next-token layout."""
+
+    indices: list[int]  # positions in the caller's sample list
+    input_ids: Tensor  # [B, L]
+    attention_mask: Tensor  # [B, L]
+    position_ids: Tensor  # [B, L]
+    rows: Tensor  # [n] row of each response token (sample order, then token order)
+    cols: Tensor  # [n] column in the [B, L-1] layout
+    mask: Tensor  # [B, L-1] float, 1 at response tokens
+    lengths: list[int]  # response length per row
+
+    def scatter(self, per_sample: list[Tensor]) -> Tensor:
+        """Per-sample 1-D response tensors -> ``[B, L-1]`` (0 elsewhere)."""
+        out = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.mask.device)
+        if self.rows.numel():
+            out[self.rows, self.cols] = torch.cat([per_sample[i] for i in self.indices]).to(out.device, torch.float32)
+        return out
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """A flat ``[n]`` tensor in response-token order -> one 1-D tensor per row."""
+        return list(torch.split(flat, self.lengths))
+
+
+def _collate(samples: list[Sample], indices: list[int], pad_id: int, device: torch.device) -> _MicroBatch:
+    seqs = [samples[i].prompt_ids + samples[i].response_ids for i in indices]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    rows: list[int] = []
+    cols: list[int] = []
+    lengths: list[int] = []
+    for r, (i, seq) in enumerate(zip(indices, seqs, strict=True)):
+        input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[r, : len(seq)] = 1
+        p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
+        # Response token at sequence position p + j is predicted at column p + j - 1.
+        rows.extend([r] * n)
+        cols.extend(range(p - 1, p - 1 + n))
+        lengths.append(n)
+    mask = torch.zeros((len(seqs), max(width - 1, 1)), dtype=torch.float32)
+    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+    if rows:
+        mask[rows_t, cols_t] = 1.0
+    return _MicroBatch(
+        indices=indices,
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=positions_from_mask(attention_mask).to(device),
+        rows=rows_t.to(device),
+        cols=cols_t.to(device),
+        mask=mask.to(device),
+        lengths=lengths,
+    )
+
+
+def _check_samples(samples: list[Sample]) -> None:
+    for s in samples:
+        if not s.prompt_ids:
+            raise TrainerError(f"sample {s.sample_id}: prompt_ids is empty (a response needs a prompt to condition on)")
+        if len(s.logprobs) != len(s.response_ids):
+            raise TrainerError(
+                f"sample {s.sample_id}: {len(s.logprobs)} logprobs for {len(s.response_ids)} response tokens"
+            )
+
+
+def _warmup(warmup_steps: int):
+    def factor(update: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (update + 1) / warmup_steps)
+
+    return factor
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """Optimises ``policy`` (and, for PPO, ``critic``) on batches of samples.
+
+    ``process_group``: the data-parallel group of trainer ranks (None: a
+    single process). Every rank calls :meth:`train_step` with its own
+    disjoint shard of the step's samples; the ranks end every step with
+    identical weights. ``ref_policy`` is the frozen reference for the KL
+    penalty (used only when ``algorithm.kl_coef > 0``).
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        device: torch.device | str,
+        ref_policy: torch.nn.Module | None = None,
+        critic: torch.nn.Module | None = None,
+        process_group: Any = None,
+    ):
+        self.spec = spec
+        self.cfg = spec.algorithm
+        self.algorithm = get_algorithm(spec.algorithm.name)
+        if self.algorithm.needs_critic and critic is None:
+            raise TrainerError(f"algorithm.name: {self.algorithm.name} needs a critic (runtime.models.ValueModel)")
+        self.device = torch.device(device)
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.pad_id = int(tokenizer.pad_id)
+        self.ref_policy = ref_policy if spec.algorithm.kl_coef > 0 else None
+        if self.ref_policy is not None:
+            self.ref_policy.requires_grad_(False)
+        self.critic = critic if self.algorithm.needs_critic else None
+        self.group = process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.world = dist.get_world_size(process_group) if process_group is not None else 1
+        tcfg = spec.trainer
+        self.optimizer = torch.optim.AdamW(
+            [p for p in policy.parameters() if p.requires_grad], lr=tcfg.lr, weight_decay=tcfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(tcfg.warmup_steps))
+        self.critic_optimizer = None
+        self.critic_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(
+                [p for p in self.critic.parameters() if p.requires_grad],
+                lr=tcfg.critic_lr,
+                weight_decay=tcfg.weight_decay,
+            )
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, _warmup(tcfg.warmup_steps))
+        self.version = 0  # weight version of the policy; +1 per train_step
+        self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
+        self._offloaded: dict[int, dict] | None = None
+
+    # ----------------------------------------------------------------- public
+
+    def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """Train on this rank's shard of one step's samples; returns the step's metrics (global over ranks)."""
+        _check_samples(samples)
+        if self._offloaded is not None:
+            self.reload_optimizer()
+        started = time.perf_counter()
+        cfg, tcfg = self.cfg, self.spec.trainer
+        stats = _Stats()
+        self._sample_stats(samples, stats)
+
+        token_advantages = self._advantages(samples)
+        need_proximal = cfg.off_policy != "truncated" and tcfg.updates_per_step > 1
+        pre = self._score_pass(samples, proximal=need_proximal)
+        if need_proximal:
+            self._consistency(samples, pre["proximal"], stats)
+
+        minis = self._mini_batches(len(samples), step)
+        for mini in minis:
+            self._update(samples, mini, token_advantages, pre, stats, step)
+        self.version += 1
+
+        out = stats.finish(self.group, self.world)
+        out[M.LR] = out.pop("_lr", float(self.optimizer.param_groups[0]["lr"]))
+        elapsed = time.perf_counter() - started
+        total_tokens = out.pop("_tokens", 0.0)
+        if elapsed > 0:
+            out[M.TRAIN_TOKENS_PER_S] = total_tokens / elapsed
+        return out
+
+    @torch.no_grad()
+    def score_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """The current policy's log-probs of each sample's response tokens (same math as the engine)."""
+        _check_samples(samples)
+        out: list[list[float]] = [[] for _ in samples]
+        lengths = [s.num_tokens for s in samples]
+        for indices in make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens):
+            mb = _collate(samples, indices, self.pad_id, self.device)
+            logp = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, mb.position_ids, self.temperature)
+            for i, values in zip(indices, mb.split(logp[mb.rows, mb.cols]), strict=True):
+                out[i] = values.tolist()
+        return out
+
+    def publish_state(self) -> dict[str, Tensor]:
+        """The policy's weights to publish (detached references, not copies: the weight service copies if it must)."""
+        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs from the trainer: policy, critic, optimizers, schedulers, version."""
+        state: dict[str, Any] = {
+            "version": self.version,
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        if self.critic is not None and self.critic_optimizer is not None and self.critic_scheduler is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; training then continues exactly where it stopped."""
+        missing = [k for k in ("version", "policy", "optimizer", "scheduler") if k not in state]
+        if self.critic is not None:
+            missing += [k for k in ("critic", "critic_optimizer", "critic_scheduler") if k not in state]
+        if missing:
+            raise TrainerError(f"trainer state is missing {', '.join(missing)}")
+        self._offloaded = None
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None and self.critic_optimizer is not None and self.critic_scheduler is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+        self.version = int(state["version"])
+
+    def offload_optimizer(self) -> None:
+        """Move optimizer state to host memory (frees accelerator memory for generation's KV cache)."""
+        if self._offloaded is not None:
+            return
+        pin = self.device.type != "cpu"
+        devices: dict[int, dict] = {}
+        for opt in self._optimizers():
+            for param, state in opt.state.items():
+                for key, value in state.items():
+                    if isinstance(value, Tensor):
+                        devices.setdefault(id(param), {})[key] = value.device
+                        host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+                        host.copy_(value)
+                        state[key] = host
+        self._offloaded = devices
+        _empty_cache(self.device)
+
+    def reload_optimizer(self) -> None:
+        """Bring optimizer state back to where it was before :meth:`offload_optimizer`."""
+        if self._offloaded is None:
+            return
+        for opt in self._optimizers():
+            for param, state in opt.state.items():
+                for key, device in self._offloaded.get(id(param), {}).items():
+                    value = state[key]
+                    # copy=True: on CPU the reloaded state is fresh storage, as it is on an accelerator.
+                    state[key] = value.to(device, non_blocking=value.is_pinned(), copy=True)
+        self._offloaded = None
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self._offloaded is not None
+
+    # ----------------------------------------------------------------- internals
+
+    def _optimizers(self) -> Iterator[torch.optim.Optimizer]:
+        yield self.optimizer
+        if self.critic_optimizer is not None:
+            yield self.critic_optimizer
+
+    def _sample_stats(self, samples: list[Sample], stats: _Stats) -> None:
+        rewards = [float(s.reward) for s in samples]
+        stats.add_sum("reward", sum(rewards))
+        stats.add_sum("reward_sq", sum(r * r for r in rewards))
+        stats.add_sum("correct", sum(1.0 for s in samples if s.correct))
+        stats.add_sum("samples", float(len(samples)))
+        stats.add_sum("resp_tokens", float(sum(len(s.response_ids) for s in samples)))
+        stats.add_sum("_tokens", float(sum(s.num_tokens for s in samples)))
+        stats.add_max("resp_max", float(max((len(s.response_ids) for s in samples), default=0)))
+        lags = [self.version - s.version for s in samples]
+        stats.add_sum("lag", float(sum(lags)))
+        stats.add_max("lag_max", float(max(lags, default=0)))
+
+    def _advantages(self, samples: list[Sample]) -> list[Tensor]:
+        """Per-sample 1-D advantage tensors over response tokens (float32, CPU)."""
+        if self.algorithm.advantages == "gae":
+            return self._gae_advantages(samples)
+        groups = [(s.group_id, float(s.reward)) for s in samples]
+        offset = 0
+        if self.group is not None:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, groups, group=self.group)
+            offset = sum(len(g) for g in gathered[: self.rank])
+            groups = [item for g in gathered for item in g]
+        if not groups:
+            return []
+        ids = torch.tensor([g for g, _ in groups], dtype=torch.long)
+        rewards = torch.tensor([r for _, r in groups], dtype=torch.float32)
+        adv = grpo_advantages(rewards, ids, normalize_std=self.cfg.normalize_adv_std)
+        return [torch.full((len(s.response_ids),), float(adv[offset + i])) for i, s in enumerate(samples)]
+
+    @torch.no_grad()
+    def _gae_advantages(self, samples: list[Sample]) -> list[Tensor]:
+        old_values = self._score_pass(samples, values=True)["old_values"]
+        n = len(samples)
+        width = max((len(s.response_ids) for s in samples), default=0)
+        values = torch.zeros(n, max(width, 1))
+        rewards = torch.zeros_like(values)
+        mask = torch.zeros_like(values)
+        for i, s in enumerate(samples):
+            r = len(s.response_ids)
+            if r:
+                values[i, :r] = old_values[i]
+                rewards[i, r - 1] = float(s.reward)  # outcome reward on the terminal token
+                mask[i, :r] = 1.0
+        adv, returns = gae(rewards, values, mask, self.cfg.gamma, self.cfg.lam)
+        # Whiten with statistics of the whole step, across ranks.
+        moments = torch.tensor([(adv * mask).sum(), (adv * adv * mask).sum(), mask.sum()], dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(moments, group=self.group)
+        count = max(float(moments[2]), 1.0)
+        mean = moments[0] / count
+        var = (moments[1] / count - mean**2).clamp(min=0)
+        adv = whiten(adv, mask, mean.float(), var.float())
+        self._returns = [returns[i, : len(s.response_ids)].clone() for i, s in enumerate(samples)]
+        self._old_values = old_values
+        return [adv[i, : len(s.response_ids)].clone() for i, s in enumerate(samples)]
+
+    @torch.no_grad()
+    def _score_pass(self, samples: list[Sample], proximal: bool = False, values: bool = False) -> dict[str, list]:
+        """No-grad per-sample tensors: proximal log-probs, reference log-probs, critic values."""
+        want_ref = self.ref_policy is not None and not values
+        out: dict[str, list] = {}
+        if not (proximal or want_ref or values) or not samples:
+            return out
+        keys = [k for k, on in (("proximal", proximal), ("ref", want_ref), ("old_values", values)) if on]
+        for k in keys:
+            out[k] = [None] * len(samples)
+        lengths = [s.num_tokens for s in samples]
+        for indices in make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens):
+            mb = _collate(samples, indices, self.pad_id, self.device)
+            for key in keys:
+                if key == "old_values":
+                    assert self.critic is not None
+                    flat = self.critic(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
+                else:
+                    model = self.policy if key == "proximal" else self.ref_policy
+                    assert model is not None
+                    flat = self._token_logprobs(model, mb)
+                for i, t in zip(indices, mb.split(flat.float().cpu()), strict=True):
+                    out[key][i] = t
+        return out
+
+    def _token_logprobs(
+        self, model: torch.nn.Module, mb: _MicroBatch, with_entropy: bool = False, entropy_grad: bool = False
+    ):
+        """Log-probs (and optionally entropy) of the response tokens only, flat ``[n]``."""
+        logits = model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+        ).logits
+        picked = logits[mb.rows, mb.cols]  # [n, V]: skip the prompt and padding positions
+        targets = mb.input_ids[mb.rows, mb.cols + 1]
+        logp = logprobs_from_logits(picked, targets, self.temperature)
+        if not with_entropy:
+            return logp
+        # Entropy is always a metric, a gradient term only with entropy_coef > 0: skip its graph otherwise.
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(picked.float() / self.temperature)
+        return logp, entropy
+
+    def _mini_batches(self, n: int, step: int) -> list[list[int]]:
+        k = self.spec.trainer.updates_per_step
+        if k == 1:
+            return [list(range(n))]
+        # A permutation seeded by (seed, step): reproducible, and identical after a resume.
+        gen = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + step)
+        perm = torch.randperm(n, generator=gen).tolist()
+        return [perm[i::k] for i in range(k)]
+
+    def _consistency(self, samples: list[Sample], proximal: list[Tensor], stats: _Stats) -> None:
+        """Engine vs trainer log-probs on tokens the current weights produced (the only ones that should agree)."""
+        fresh = [i for i, s in enumerate(samples) if s.versions and max(s.versions) == self.version == s.version]
+        if not fresh:
+            return
+        engine = [samples[i].logprobs for i in fresh]
+        trainer = [proximal[i].tolist() for i in fresh]
+        got = M.consistency_metrics(engine, trainer)
+        n = float(sum(len(e) for e in engine))
+        stats.add_sum("cons_n", n)
+        stats.add_sum("cons_diff", got[M.CONSISTENCY_DIFF_MEAN] * n)
+        stats.add_sum("cons_kl", got[M.CONSISTENCY_KL] * n)
+        stats.add_max("cons_max", got[M.CONSISTENCY_DIFF_MAX])
+
+    def _update(
+        self,
+        samples: list[Sample],
+        mini: list[int],
+        advantages: list[Tensor],
+        pre: dict[str, list],
+        stats: _Stats,
+        step: int,
+    ) -> None:
+        """One optimizer update on the mini-batch ``mini`` (indices into ``samples``), all ranks together."""
+        cfg = self.cfg
+        resp = [len(samples[i].response_ids) for i in mini]
+        counts = torch.tensor([float(sum(resp)), float(sum(1 for r in resp if r > 0))], dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(counts, group=self.group)
+        num_tokens, num_seqs = float(counts[0]), float(counts[1])
+        lengths = [samples[i].num_tokens for i in mini]
+        local_batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
+        stats.add_sum("real_tokens", float(sum(lengths)))
+        stats.add_sum("padded_tokens", float(padded_tokens(lengths, local_batches)))
+        need_entropy_grad = cfg.entropy_coef > 0
+        on_the_fly_proximal = "proximal" not in pre and cfg.off_policy != "truncated"
+        behaviour = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
+
+        loss_total = torch.zeros((), dtype=torch.float64)
+        vloss_total = torch.zeros((), dtype=torch.float64)
+        for local in local_batches:
+            indices = [mini[j] for j in local]
+            mb = _collate(samples, indices, self.pad_id, self.device)
+            logp_flat, ent_flat = self._token_logprobs(
+                self.policy, mb, with_entropy=True, entropy_grad=need_entropy_grad
+            )
+            logp = torch.zeros(mb.mask.shape, dtype=logp_flat.dtype, device=self.device).index_put(
+                (mb.rows, mb.cols), logp_flat
+            )
+            entropy = torch.zeros_like(logp).index_put((mb.rows, mb.cols), ent_flat)
+            behav = mb.scatter(behaviour)
+            if cfg.off_policy == "truncated":
+                old = behav
+            elif on_the_fly_proximal:
+                old = logp.detach()
+                proximal_list = mb.split(logp_flat.detach().float().cpu())
+                self._consistency([samples[i] for i in indices], proximal_list, stats)
+            else:
+                old = mb.scatter(pre["proximal"])
+            weights = importance_weights(old, behav, cfg.is_cap) * mb.mask if cfg.off_policy == "decoupled" else None
+            batch = PolicyBatch(
+                logprobs=logp,
+                old_logprobs=old,
+                behaviour_logprobs=behav,
+                advantages=mb.scatter(advantages),
+                mask=mb.mask,
+                is_weights=weights,
+                ref_logprobs=mb.scatter(pre["ref"]) if "ref" in pre else None,
+                entropy=entropy,
+            )
+            token_loss, token_metrics = self.algorithm.loss_fn(batch, cfg)
+            loss = aggregate_loss(token_loss, mb.mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+            loss.backward()
+            loss_total += loss.detach().double().cpu()
+            for name, values in token_metrics.items():
+                stats.add_sum(f"tok:{name}", float((values.detach() * mb.mask).sum()))
+            stats.add_sum("tok_count", float(mb.mask.sum()))
+            if self.critic is not None:
+                vloss_total += self._critic_backward(mb, num_tokens, num_seqs)
+
+        self._all_reduce_grads(self.policy)
+        loss_sum = loss_total.clone()
+        if self.group is not None:
+            dist.all_reduce(loss_sum, group=self.group)
+        stats.add_sum("loss_policy", float(loss_sum) / self.world)  # every rank adds the global value
+        ctx = UpdateContext(self.policy, self.optimizer, self.scheduler, self.spec.trainer.grad_clip, step)
+        result = self.algorithm.update_fn(ctx)
+        stats.add_sum("grad_norm", float(result.get("grad_norm", 0.0)) / self.world)
+        stats.add_sum("updates", 1.0 / self.world)
+        if "lr" in result:
+            stats.set_local("_lr", float(result["lr"]))
+        if self.critic is not None and self.critic_optimizer is not None:
+            self._all_reduce_grads(self.critic)
+            if self.group is not None:
+                dist.all_reduce(vloss_total, group=self.group)
+            stats.add_sum("loss_value", float(vloss_total) / self.world)
+            adamw_update(
+                UpdateContext(
+                    self.critic, self.critic_optimizer, self.critic_scheduler, self.spec.trainer.grad_clip, step
+                )
+            )
+
+    def _critic_backward(self, mb: _MicroBatch, num_tokens: float, num_seqs: float) -> Tensor:
+        assert self.critic is not None
+        values = torch.zeros(mb.mask.shape, dtype=torch.float32, device=self.device)
+        flat = self.critic(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
+        values = values.index_put((mb.rows, mb.cols), flat.float())
+        token_loss, _ = value_loss_fn(
+            values, mb.scatter(self._old_values), mb.scatter(self._returns), mb.mask, self.cfg.value_clip
+        )
+        loss = aggregate_loss(token_loss, mb.mask, self.cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+        (self.cfg.vf_coef * loss).backward()
+        return loss.detach().double().cpu()
+
+    def _all_reduce_grads(self, model: torch.nn.Module) -> None:
+        """Sum gradients over the ranks (losses are already normalised by global counts)."""
+        if self.group is None:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = []
+        for p in params:
+            if p.grad is None:  # a rank whose shard never touched p still takes part
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+
+
+class _Stats:
+    """Sums and maxima gathered during a step, reduced across ranks once at the end."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+        self.local: dict[str, float] = {}
+
+    def add_sum(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def add_max(self, key: str, value: float) -> None:
+        self.maxes[key] = max(self.maxes.get(key, float("-inf")), value)
+
+    def set_local(self, key: str, value: float) -> None:
+        self.local[key] = value
+
+    def finish(self, group: Any, world: int) -> dict[str, float]:
+        sums, maxes = self.sums, self.maxes
+        if group is not None:
+            # Every rank must reduce the same keys in the same order.
+            sum_keys = _union_keys(sums, group, world)
+            max_keys = _union_keys(maxes, group, world)
+            s = torch.tensor([sums.get(k, 0.0) for k in sum_keys], dtype=torch.float64)
+            m = torch.tensor([maxes.get(k, float("-inf")) for k in max_keys], dtype=torch.float64)
+            if len(s):
+                dist.all_reduce(s, group=group)
+            if len(m):
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            sums = dict(zip(sum_keys, s.tolist(), strict=True))
+            maxes = dict(zip(max_keys, m.tolist(), strict=True))
+        out: dict[str, float] = dict(self.local)
+        n = max(sums.get("samples", 0.0), 1.0)
+        mean_r = sums.get("reward", 0.0) / n
+        out[M.REWARD_MEAN] = mean_r
+        out[M.REWARD_STD] = max(sums.get("reward_sq", 0.0) / n - mean_r**2, 0.0) ** 0.5
+        out[M.ACCURACY] = sums.get("correct", 0.0) / n
+        out[M.RESPONSE_LEN_MEAN] = sums.get("resp_tokens", 0.0) / n
+        out[M.RESPONSE_LEN_MAX] = max(maxes.get("resp_max", 0.0), 0.0)
+        out[M.STALENESS_MEAN] = sums.get("lag", 0.0) / n
+        out[M.STALENESS_MAX] = max(maxes.get("lag_max", 0.0), 0.0)
+        updates = max(sums.get("updates", 0.0), 1.0)
+        out[M.LOSS_POLICY] = sums.get("loss_policy", 0.0) / updates
+        out[M.GRAD_NORM] = sums.get("grad_norm", 0.0) / updates
+        if "loss_value" in sums:
+            out[M.LOSS_VALUE] = sums["loss_value"] / updates
+        padded = sums.get("padded_tokens", 0.0)
+        out[M.PADDING_RATIO] = 0.0 if padded == 0 else 1.0 - sums.get("real_tokens", 0.0) / padded
+        tok = max(sums.get("tok_count", 0.0), 1.0)
+        for key, value in sums.items():
+            if key.startswith("tok:"):
+                out[key[4:]] = value / tok
+        if sums.get("cons_n", 0.0) > 0:
+            out[M.CONSISTENCY_DIFF_MEAN] = sums["cons_diff"] / sums["cons_n"]
+            out[M.CONSISTENCY_KL] = sums["cons_kl"] / sums["cons_n"]
+            out[M.CONSISTENCY_DIFF_MAX] = maxes["cons_max"]
+        out["_tokens"] = sums.get("_tokens", 0.0)
+        return out
+
+
+def _union_keys(values: dict[str, float], group: Any, world: int) -> list[str]:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, sorted(values), group=group)
+    return sorted({k for keys in gathered for k in keys})
+
+
+def _empty_cache(device: torch.device) -> None:
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if backend is not None and hasattr(backend, "empty_cache"):
+        backend.empty_cache()
