@@ -1,0 +1,191 @@
+"""Serializers of the jobs API: shapes of requests and replies only, no logic."""
+
+from __future__ import annotations
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from jobs.models import Experiment, Run
+from jobs.states import RunState
+from rlplatform.models import Quota
+
+
+class StrictSerializer(serializers.Serializer):
+    """Rejects unknown request fields: a typo such as ``submision_id`` must not be silently ignored."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError({name: ["unknown field"] for name in unknown})
+        return super().to_internal_value(data)
+
+
+class ExperimentSerializer(serializers.ModelSerializer):
+    team_name = serializers.CharField(source="team.name", read_only=True)
+    group_name = serializers.CharField(source="group.name", read_only=True)
+    quota_name = serializers.CharField(source="quota.name", read_only=True)
+    created_by = serializers.CharField(source="created_by.get_username", read_only=True, default=None)
+
+    class Meta:
+        model = Experiment
+        fields = [
+            "id",
+            "name",
+            "description",
+            "team",
+            "team_name",
+            "group",
+            "group_name",
+            "quota",
+            "quota_name",
+            "created_by",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+
+class ExperimentCreateSerializer(StrictSerializer):
+    name = serializers.CharField(help_text="Unique within the team: letters, digits, '.', '_', '-'")
+    group = serializers.CharField(help_text="Resource group id or name (granted to the team)")
+    team = serializers.IntegerField(required=False, help_text="Team id; default: the token's team, or your only team")
+    quota = serializers.IntegerField(
+        required=False, help_text="Existing quota id of the team in the group; default: a new quota"
+    )
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class RunSerializer(serializers.ModelSerializer):
+    """A run as listed (without its spec)."""
+
+    experiment_name = serializers.CharField(source="experiment.name", read_only=True)
+    team = serializers.IntegerField(source="experiment.team_id", read_only=True)
+    created_by = serializers.CharField(source="created_by.get_username", read_only=True, default=None)
+    queue_position = serializers.SerializerMethodField(help_text="1-based position in the group's queue (QUEUED only)")
+    terminal = serializers.SerializerMethodField(
+        help_text="COMPLETED, FAILED, CANCELLED or PREEMPTED: a waiting client stops here"
+    )
+
+    class Meta:
+        model = Run
+        fields = [
+            "id",
+            "name",
+            "experiment",
+            "experiment_name",
+            "team",
+            "state",
+            "reason",
+            "queue_position",
+            "terminal",
+            "priority",
+            "submission_id",
+            "devices_requested",
+            "rollout_workers",
+            "created_by",
+            "submitted_at",
+            "admitted_at",
+            "started_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_queue_position(self, run: Run) -> int | None:
+        return run.queue_position if run.state == RunState.QUEUED else None
+
+    @extend_schema_field(OpenApiTypes.BOOL)
+    def get_terminal(self, run: Run) -> bool:
+        return run.is_terminal
+
+
+class RunDetailSerializer(RunSerializer):
+    """A run with its spec, resolved spec and the devices it holds."""
+
+    devices = serializers.SerializerMethodField(help_text='Devices held now, as "host:index"')
+    resolved_spec = serializers.JSONField(read_only=True)
+
+    class Meta(RunSerializer.Meta):
+        fields = [*RunSerializer.Meta.fields, "parent_checkpoint", "devices", "spec", "resolved_spec"]
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_devices(self, run: Run) -> list[str]:
+        if not run.is_active:
+            return []  # only ADMITTED..PAUSED runs hold devices: skip the query
+        held = run.allocations.active().select_related("device__host").order_by("device__host__name", "device__index")
+        return [f"{a.device.host.name}:{a.device.index}" for a in held]
+
+
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "object", "additionalProperties": True}]})
+class SpecInputField(serializers.JSONField):
+    """YAML/JSON text or a JSON object; validated by the runtime's schema in the handler."""
+
+
+class RunSubmitSerializer(StrictSerializer):
+    experiment = serializers.CharField(help_text="Experiment id or name")
+    team = serializers.IntegerField(
+        required=False, help_text="Team id, when an experiment name exists in several of your teams"
+    )
+    spec = SpecInputField(help_text="The run spec: YAML or JSON text, or an object")
+    submission_id = serializers.CharField(
+        required=False, allow_null=True, default=None, help_text="Idempotency key: a retry returns the same run (200)"
+    )
+    priority = serializers.IntegerField(
+        required=False, allow_null=True, default=None, help_text="Overrides the quota's priority"
+    )
+    name = serializers.CharField(required=False, allow_null=True, default=None, help_text="Default: the spec's name")
+    overrides = serializers.ListField(
+        child=serializers.CharField(), required=False, default=list, help_text='"section.field=value" overrides'
+    )
+
+
+class CancelSerializer(StrictSerializer):
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class QuotaSerializer(serializers.ModelSerializer):
+    team_name = serializers.CharField(source="team.name", read_only=True)
+    group_name = serializers.CharField(source="group.name", read_only=True)
+    device_hours_used = serializers.FloatField(read_only=True)
+
+    class Meta:
+        model = Quota
+        fields = [
+            "id",
+            "name",
+            "team",
+            "team_name",
+            "group",
+            "group_name",
+            "max_devices",
+            "max_concurrent_runs",
+            "max_rollout_workers",
+            "priority",
+            "device_hour_budget",
+            "device_hours_used",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = ["id", "team", "group", "created_at", "updated_at"]
+
+
+class QuotaCreateSerializer(StrictSerializer):
+    name = serializers.CharField()
+    team = serializers.IntegerField()
+    group = serializers.IntegerField()
+    max_devices = serializers.IntegerField(required=False)
+    max_concurrent_runs = serializers.IntegerField(required=False)
+    max_rollout_workers = serializers.IntegerField(required=False)
+    priority = serializers.IntegerField(required=False)
+    device_hour_budget = serializers.FloatField(required=False, allow_null=True)
+
+
+class QuotaUpdateSerializer(StrictSerializer):
+    name = serializers.CharField(required=False)
+    max_devices = serializers.IntegerField(required=False)
+    max_concurrent_runs = serializers.IntegerField(required=False)
+    max_rollout_workers = serializers.IntegerField(required=False)
+    priority = serializers.IntegerField(required=False)
+    device_hour_budget = serializers.FloatField(required=False, allow_null=True)

@@ -1,0 +1,310 @@
+"""REST views of the jobs app: experiments, runs (submit, list, detail, cancel, wait) and quotas.
+
+Thin by design: check the caller's role, call jobs.handler, serialize. Domain
+errors become HTTP codes through jobs.errors. Querysets are limited to the
+caller's teams (the token's team only, for an API token), so another team's
+object is a 404.
+"""
+
+from __future__ import annotations
+
+import time
+
+from django.db import connection
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.response import Response
+
+from jobs import errors, handler
+from jobs.api import serializers as s
+from jobs.models import Experiment, Run
+from jobs.states import TERMINAL_STATES, RunState
+from rlplatform import permissions as perms
+from rlplatform.api import APIViewMixin, ErrorsSerializer
+from rlplatform.models import Quota, ResourceGroup, Role
+
+WAIT_DEFAULT_S = 30.0
+WAIT_MAX_S = 300.0
+# A waiting request re-reads the run's state (one indexed single-column
+# query), first every 0.25 s, backing off to every 2 s: a CI job needs no
+# finer resolution, and a few hundred waiters stay cheap.
+WAIT_POLL_FIRST_S = 0.25
+WAIT_POLL_MAX_S = 2.0
+# Sleeps at least this long hand the database connection back, so long waits
+# do not pin one PostgreSQL connection each (max_connections is finite).
+WAIT_RELEASE_CONNECTION_S = 1.0
+
+
+class JobsAPIViewMixin(APIViewMixin):
+    exception_handler = staticmethod(errors.exception_handler)
+
+
+def _require(allowed: bool, message: str) -> None:
+    if not allowed:
+        raise PermissionDenied(message)
+
+
+def _int_or_none(value) -> int | None:
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+# --- experiments -------------------------------------------------------------------------------------
+
+
+class ExperimentViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Experiments of your teams. Editors and admins create them."""
+
+    serializer_class = s.ExperimentSerializer
+
+    def get_queryset(self):
+        qs = Experiment.objects.filter(team__in=self.team_scope())
+        team = self.request.query_params.get("team")
+        if team is not None:
+            qs = qs.filter(team_id=_int_or_none(team) or 0)
+        return qs.select_related("team", "group", "quota", "created_by").order_by("team_id", "name")
+
+    @extend_schema(parameters=[OpenApiParameter("team", int, description="Only experiments of this team")])
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(request=s.ExperimentCreateSerializer, responses={201: s.ExperimentSerializer, 400: ErrorsSerializer})
+    def create(self, request, *args, **kwargs):
+        data = s.ExperimentCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        team = _pick_team(request.user, self.token, values.get("team"))
+        _require(
+            perms.can_edit(request.user, team, self.token), f"viewers of team {team.name} cannot create experiments"
+        )
+        group = _visible_group(request.user, self.token, values["group"])
+        quota = None
+        if values.get("quota") is not None:
+            quota = Quota.objects.filter(pk=values["quota"], team=team).first()
+            if quota is None:
+                raise handler.InvalidInput.one("quota", f"team {team.name} has no quota {values['quota']}")
+        experiment = handler.create_experiment(
+            request.user, team, values["name"], group, quota=quota, description=values["description"]
+        )
+        return Response(s.ExperimentSerializer(experiment).data, status=status.HTTP_201_CREATED)
+
+
+def _pick_team(user, token, team_id: int | None):
+    """The team a create acts in: the one named, else the token's, else the user's only team."""
+    teams = perms.teams_for(user, token=token)
+    if team_id is not None:
+        team = teams.filter(pk=team_id).first()
+        if team is None:
+            raise handler.InvalidInput.one("team", f"no team {team_id} among yours")
+        return team
+    candidates = list(teams[:2])
+    if len(candidates) != 1:
+        raise handler.InvalidInput.one("team", "required: you belong to several teams (or none)")
+    return candidates[0]
+
+
+def _visible_group(user, token, ref: str) -> ResourceGroup:
+    groups = perms.groups_for(user, token)
+    group = groups.filter(pk=int(ref)).first() if ref.isdigit() else None
+    group = group or groups.filter(name=ref).first()
+    if group is None:
+        raise handler.InvalidInput.one("group", f"no resource group {ref!r} available to your teams")
+    return group
+
+
+# --- runs ---------------------------------------------------------------------------------------------
+
+
+def _resolve_experiment(user, token, ref: str, team_id: int | None) -> Experiment:
+    """An experiment by id or name among the caller's teams; unknown or ambiguous is a 400 on `experiment`."""
+    qs = Experiment.objects.filter(team__in=perms.teams_for(user, token=token)).select_related("team", "group", "quota")
+    if team_id is not None:
+        qs = qs.filter(team_id=team_id)
+    ref = ref.strip()
+    if ref.isdigit():
+        by_id = qs.filter(pk=int(ref)).first()
+        if by_id is not None:
+            return by_id
+    matches = list(qs.filter(name=ref)[:2])
+    if not matches:
+        raise handler.InvalidInput.one("experiment", f"no experiment {ref!r} in your teams")
+    if len(matches) > 1:
+        raise handler.InvalidInput.one(
+            "experiment", f"{ref!r} names experiments in several of your teams: pass `team` or the experiment id"
+        )
+    return matches[0]
+
+
+def _parse_timeout(raw: str | None) -> float:
+    if raw is None or raw == "":
+        return WAIT_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise handler.InvalidInput.one("timeout", "must be a number of seconds") from None
+    if not 0 <= value <= WAIT_MAX_S:
+        raise handler.InvalidInput.one("timeout", f"must be between 0 and {WAIT_MAX_S:g} seconds")
+    return value
+
+
+RUN_LIST_PARAMS = [
+    OpenApiParameter("state", str, enum=[st.value for st in RunState], description="Only runs in this state"),
+    OpenApiParameter("experiment", str, description="Only runs of this experiment (id or name)"),
+    OpenApiParameter("team", int, description="Only runs of this team"),
+]
+
+
+class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
+    """Runs of your teams' experiments: submit, list, detail, cancel, wait."""
+
+    def get_serializer_class(self):
+        return s.RunSerializer if self.action == "list" else s.RunDetailSerializer
+
+    def get_queryset(self):
+        qs = Run.objects.filter(experiment__team__in=self.team_scope())
+        qs = qs.select_related("experiment", "created_by")
+        if self.action != "list":
+            return qs
+        params = self.request.query_params
+        if params.get("state"):
+            state = params["state"].upper()
+            if state not in RunState.__members__:
+                raise handler.InvalidInput.one("state", f"unknown state; use one of {', '.join(RunState)}")
+            qs = qs.filter(state=state)
+        if params.get("team"):
+            qs = qs.filter(experiment__team_id=_int_or_none(params["team"]) or 0)
+        if params.get("experiment"):
+            ref = params["experiment"]
+            qs = qs.filter(experiment_id=int(ref)) if ref.isdigit() else qs.filter(experiment__name=ref)
+        return qs.order_by("-submitted_at", "-pk")
+
+    @extend_schema(parameters=RUN_LIST_PARAMS)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(
+        request=s.RunSubmitSerializer,
+        responses={
+            201: OpenApiResponse(s.RunDetailSerializer, description="Queued (and possibly admitted at once)"),
+            200: OpenApiResponse(s.RunDetailSerializer, description="Same submission_id seen before: the earlier run"),
+            400: ErrorsSerializer,
+            409: OpenApiResponse(description="submission_id already used with a different spec"),
+        },
+    )
+    def create(self, request, *args, **kwargs):
+        data = s.RunSubmitSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        experiment = _resolve_experiment(request.user, self.token, values["experiment"], values.get("team"))
+        _require(
+            perms.can_edit(request.user, experiment.team_id, self.token),
+            f"viewers of team {experiment.team.name} cannot submit runs",
+        )
+        run, created = handler.submit_run(
+            request.user,
+            experiment,
+            values["spec"],
+            submission_id=values["submission_id"],
+            priority=values["priority"],
+            name=values["name"],
+            overrides=values["overrides"],
+        )
+        body = s.RunDetailSerializer(run).data
+        return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(
+        request=s.CancelSerializer,
+        responses={200: s.RunDetailSerializer, 409: OpenApiResponse(description="The run already ended")},
+    )
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        run = self.get_object()
+        _require(
+            perms.can_edit(request.user, run.experiment.team_id, self.token),
+            "viewers cannot cancel runs",
+        )
+        data = s.CancelSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        run = handler.cancel_run(request.user, run, data.validated_data["reason"] or None)
+        return Response(s.RunDetailSerializer(run).data)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "timeout",
+                OpenApiTypes.FLOAT,
+                description=f"Seconds to wait at most (default {WAIT_DEFAULT_S:g}, max {WAIT_MAX_S:g})",
+            )
+        ],
+        responses={200: s.RunDetailSerializer, 400: ErrorsSerializer},
+    )
+    @action(detail=True, methods=["get"])
+    def wait(self, request, pk=None):
+        """Long-poll: answers when the run reaches a terminal state or the timeout passes (check `terminal`)."""
+        timeout = _parse_timeout(request.query_params.get("timeout"))
+        run = self.get_object()
+        deadline = time.monotonic() + timeout
+        state, interval = run.state, WAIT_POLL_FIRST_S
+        while RunState(state) not in TERMINAL_STATES and (remaining := deadline - time.monotonic()) > 0:
+            pause = min(interval, remaining)
+            if pause >= WAIT_RELEASE_CONNECTION_S and not connection.in_atomic_block:
+                connection.close()  # the next query reconnects
+            time.sleep(pause)
+            interval = min(interval * 1.5, WAIT_POLL_MAX_S)
+            state = Run.objects.filter(pk=run.pk).values_list("state", flat=True).first() or state
+        run.refresh_from_db()
+        return Response(s.RunDetailSerializer(run).data)
+
+
+# --- quotas ---------------------------------------------------------------------------------------------
+
+
+class QuotaViewSet(
+    JobsAPIViewMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.UpdateModelMixin,
+    viewsets.GenericViewSet,
+):
+    """Quotas of your teams. Members read; team admins create and change them (audited).
+
+    Lowering a limit below current use stops nothing: new admissions wait.
+    """
+
+    serializer_class = s.QuotaSerializer
+
+    def get_queryset(self):
+        qs = Quota.objects.filter(team__in=self.team_scope())
+        return qs.select_related("team", "group").order_by("team_id", "group_id", "name")
+
+    @extend_schema(request=s.QuotaCreateSerializer, responses={201: s.QuotaSerializer, 400: ErrorsSerializer})
+    def create(self, request, *args, **kwargs):
+        data = s.QuotaCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = dict(data.validated_data)
+        team = _pick_team(request.user, self.token, values.pop("team"))
+        _require(perms.can_admin(request.user, team, self.token), f"only admins of team {team.name} manage quotas")
+        group = _visible_group(request.user, self.token, str(values.pop("group")))
+        if not group.teams.filter(pk=team.pk).exists():
+            raise handler.InvalidInput.one("group", f"resource group {group.name} is not granted to team {team.name}")
+        quota = handler.create_quota(request.user, team, group, values.pop("name"), **values)
+        return Response(s.QuotaSerializer(quota).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.QuotaUpdateSerializer, responses={200: s.QuotaSerializer, 400: ErrorsSerializer})
+    def update(self, request, *args, **kwargs):
+        quota = self.get_object()
+        _require(
+            perms.has_role(request.user, quota.team_id, Role.ADMIN, self.token),
+            f"only admins of team {quota.team.name} manage quotas",
+        )
+        data = s.QuotaUpdateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        quota = handler.update_quota(request.user, quota, **data.validated_data)
+        return Response(s.QuotaSerializer(quota).data)
+
+    @extend_schema(request=s.QuotaUpdateSerializer, responses={200: s.QuotaSerializer, 400: ErrorsSerializer})
+    def partial_update(self, request, *args, **kwargs):
+        return self.update(request, *args, **kwargs)

@@ -1,0 +1,16 @@
+"""Routes of the server-rendered pages (namespace ``jobs``)."""
+
+from django.urls import path
+
+from jobs import views
+
+app_name = "jobs"
+
+urlpatterns = [
+    path("", views.experiments, name="experiments"),
+    path("experiments/<int:pk>/", views.experiment, name="experiment"),
+    path("runs/<int:pk>/", views.run_detail, name="run"),
+    path("runs/<int:pk>/cancel/", views.run_cancel, name="run-cancel"),
+    path("groups/", views.groups, name="groups"),
+    path("submit/", views.submit, name="submit"),
+]

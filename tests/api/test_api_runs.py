@@ -1,0 +1,314 @@
+"""Runs and experiments over the REST API: submit, idempotency, bad input, roles, cancel, list, wait."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import handler
+from jobs.models import Allocation, Experiment, Run
+from jobs.states import RunState
+from rlplatform.models import AuditLog, Quota
+
+pytestmark = pytest.mark.django_db
+
+SPEC = "name: tiny\nresources:\n  device: cpu\n  trainer_devices: 2\n"
+
+
+def _nothing_written():
+    return Run.objects.count() == 0 and Allocation.objects.count() == 0
+
+
+def _errors(response):
+    return [(e["field"], e["message"]) for e in response.json()["errors"]]
+
+
+# --- submit ----------------------------------------------------------------------------------------
+
+
+def test_submit_creates_and_admits_a_run(as_user, editor, team_a, experiment):
+    client = as_user(editor, team_a)
+    response = client.post("/api/runs/", {"experiment": "exp-a", "spec": SPEC, "submission_id": "ci-1"}, format="json")
+    assert response.status_code == 201
+    body = response.json()
+    run = Run.objects.get()
+    assert body["id"] == run.pk
+    assert (body["state"], body["reason"], body["terminal"], body["queue_position"]) == ("ADMITTED", "", False, None)
+    assert (body["experiment"], body["experiment_name"], body["team"]) == (experiment.pk, "exp-a", team_a.pk)
+    assert (body["submission_id"], body["devices_requested"], body["created_by"]) == ("ci-1", 2, "editor")
+    assert body["spec"] == SPEC
+    assert body["resolved_spec"]["resources"]["trainer_devices"] == 2
+    assert sorted(body["devices"]) == ["cpu-local-h1:0", "cpu-local-h1:1"]
+
+
+def test_submit_accepts_experiment_id_and_a_spec_object(as_user, editor, team_a, experiment):
+    client = as_user(editor, team_a)
+    spec = {"name": "obj", "resources": {"device": "cpu", "trainer_devices": 1}}
+    response = client.post("/api/runs/", {"experiment": str(experiment.pk), "spec": spec}, format="json")
+    assert response.status_code == 201
+    assert (response.json()["name"], response.json()["devices_requested"]) == ("obj", 1)
+
+
+def test_resubmit_with_same_submission_id_returns_the_same_run(as_user, editor, team_a, experiment):
+    client = as_user(editor, team_a)
+    body = {"experiment": "exp-a", "spec": SPEC, "submission_id": "pipeline-77"}
+    first = client.post("/api/runs/", body, format="json")
+    second = client.post("/api/runs/", body, format="json")
+    assert (first.status_code, second.status_code) == (201, 200)
+    assert first.json()["id"] == second.json()["id"]
+    assert Run.objects.count() == 1
+
+
+def test_same_submission_id_with_another_spec_is_409_and_writes_nothing(as_user, editor, team_a, experiment):
+    client = as_user(editor, team_a)
+    client.post("/api/runs/", {"experiment": "exp-a", "spec": SPEC, "submission_id": "x1"}, format="json")
+    other = SPEC.replace("trainer_devices: 2", "trainer_devices: 3")
+    response = client.post("/api/runs/", {"experiment": "exp-a", "spec": other, "submission_id": "x1"}, format="json")
+    assert response.status_code == 409
+    assert "already used" in response.json()["detail"]
+    assert Run.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        (
+            {"spec": "resources: [unclosed"},
+            [("spec", "malformed YAML at line 1, column 21: expected ',' or ']', but got '<stream end>'")],
+        ),
+        ({"spec": "resources:\n  trainer_devics: 2\n"}, [("resources.trainer_devics", "unknown field")]),
+        (
+            {"spec": "resources:\n  trainer_devices: lots\n"},
+            [
+                (
+                    "resources.trainer_devices",
+                    "Input should be a valid integer, unable to parse string as an integer",
+                )
+            ],
+        ),
+        (
+            {"spec": "resources:\n  trainer_devices: -1\n"},
+            [("resources.trainer_devices", "Input should be greater than or equal to 1")],
+        ),
+        (
+            {"spec": "resources:\n  trainer_devices: 100000\n"},
+            [("resources.trainer_devices", "Input should be less than or equal to 4096")],
+        ),
+        (
+            {"spec": "resources:\n  trainer_devices: 9\n"},
+            [("resources", "request exceeds the whole group: needs 9 devices, group cpu-local has 8")],
+        ),
+        ({"spec": "pipeline:\n  mode: turbo\n"}, [("pipeline.mode", "Input should be 'sync', 'async' or 'colocated'")]),
+        ({"experiment": "no-such-exp"}, [("experiment", "no experiment 'no-such-exp' in your teams")]),
+        ({"submision_id": "typo"}, [("submision_id", "unknown field")]),
+        ({"priority": "high"}, [("priority", "A valid integer is required.")]),
+        ({"priority": 5000}, [("priority", "must be an integer from -1000 to 1000")]),
+        (
+            {"submission_id": "has space"},
+            [
+                (
+                    "submission_id",
+                    "1-128 characters: letters, digits and . _ : @ / + - (first alphanumeric)",
+                )
+            ],
+        ),
+        ({"spec": None}, [("spec", "This field may not be null.")]),
+        ({"experiment": None}, [("experiment", "This field may not be null.")]),
+    ],
+)
+def test_bad_submit_is_400_naming_the_field_and_writes_nothing(as_user, editor, team_a, experiment, body, expected):
+    client = as_user(editor, team_a)
+    request = {"experiment": "exp-a", "spec": SPEC, **body}
+    response = client.post("/api/runs/", request, format="json")
+    assert response.status_code == 400
+    assert _errors(response) == expected
+    assert _nothing_written()
+
+
+def test_missing_fields_are_named(as_user, editor, team_a, experiment):
+    response = as_user(editor, team_a).post("/api/runs/", {}, format="json")
+    assert response.status_code == 400
+    assert _errors(response) == [("experiment", "This field is required."), ("spec", "This field is required.")]
+    assert _nothing_written()
+
+
+def test_viewer_cannot_submit_or_cancel(as_user, viewer, team_a, experiment, submit):
+    run = submit(experiment)
+    client = as_user(viewer, team_a)
+    response = client.post("/api/runs/", {"experiment": "exp-a", "spec": SPEC}, format="json")
+    assert response.status_code == 403
+    assert response.json() == {"detail": "viewers of team team-a cannot submit runs"}
+    assert client.post(f"/api/runs/{run.pk}/cancel/").status_code == 403
+    run.refresh_from_db()
+    assert run.state == RunState.ADMITTED
+    assert Run.objects.count() == 1
+    assert not AuditLog.objects.filter(action="run.cancel").exists()
+    # but it reads
+    assert client.get(f"/api/runs/{run.pk}/").json()["state"] == "ADMITTED"
+
+
+# --- cancel ------------------------------------------------------------------------------------------
+
+
+def test_cancel_frees_devices_audits_and_a_second_cancel_is_409(as_user, editor, team_a, experiment, submit):
+    run = submit(experiment, 2)
+    client = as_user(editor, team_a)
+    response = client.post(f"/api/runs/{run.pk}/cancel/", {"reason": "wrong lr"}, format="json")
+    assert response.status_code == 200
+    assert (response.json()["state"], response.json()["reason"], response.json()["terminal"]) == (
+        "CANCELLED",
+        "wrong lr",
+        True,
+    )
+    assert Allocation.objects.active().count() == 0
+    entry = AuditLog.objects.get(action="run.cancel")
+    assert (entry.actor, entry.target_id, entry.before, entry.after) == (
+        editor,
+        str(run.pk),
+        {"state": "ADMITTED"},
+        {"state": "CANCELLED", "reason": "wrong lr"},
+    )
+    again = client.post(f"/api/runs/{run.pk}/cancel/")
+    assert again.status_code == 409
+    assert again.json() == {"detail": f"run {run.pk} cannot move from CANCELLED to CANCELLED"}
+    assert AuditLog.objects.filter(action="run.cancel").count() == 1
+
+
+# --- list, filters, pagination, queue ---------------------------------------------------------------------
+
+
+def test_list_filters_by_state_and_experiment_and_paginates(
+    as_user, owner, team_a, experiment, make_experiment, cpu_group, submit
+):
+    other = make_experiment(team_a, cpu_group, "exp-other")
+    admitted = [submit(experiment, 2) for _ in range(4)]  # 8 devices: the group is full
+    queued = submit(experiment, 1)
+    elsewhere = submit(other, 1)
+    client = as_user(owner, team_a)
+
+    page = client.get("/api/runs/?state=QUEUED").json()
+    assert [r["id"] for r in page["results"]] == [elsewhere.pk, queued.pk]
+    page = client.get("/api/runs/?state=queued&experiment=exp-a").json()
+    assert [r["id"] for r in page["results"]] == [queued.pk]
+    page = client.get(f"/api/runs/?experiment={other.pk}").json()
+    assert [r["id"] for r in page["results"]] == [elsewhere.pk]
+
+    first = client.get("/api/runs/?experiment=exp-a&page_size=2").json()
+    assert first["count"] == 5
+    assert [r["id"] for r in first["results"]] == [queued.pk, admitted[3].pk]
+    assert first["next"].endswith("page=2&page_size=2") or "page=2" in first["next"]
+    third = client.get("/api/runs/?experiment=exp-a&page_size=2&page=3").json()
+    assert [r["id"] for r in third["results"]] == [admitted[0].pk]
+    assert third["next"] is None
+
+    bad = client.get("/api/runs/?state=SLEEPING")
+    assert bad.status_code == 400
+    assert _errors(bad)[0][0] == "state"
+
+
+def test_queued_run_shows_position_and_reason(as_user, owner, team_a, experiment, submit):
+    for _ in range(4):
+        submit(experiment, 2)
+    first = submit(experiment, 1)
+    second = submit(experiment, 1)
+    client = as_user(owner, team_a)
+    body = client.get(f"/api/runs/{second.pk}/").json()
+    first.refresh_from_db()
+    assert (body["state"], body["queue_position"]) == ("QUEUED", 2)
+    assert body["reason"] == Run.objects.get(pk=second.pk).reason
+    assert body["reason"] != ""
+    assert client.get(f"/api/runs/{first.pk}/").json()["queue_position"] == 1
+
+
+def test_every_list_is_paginated(as_user, owner, team_a, experiment, submit):
+    submit(experiment)
+    client = as_user(owner, team_a)
+    for path in (
+        "/api/teams/",
+        "/api/resource-groups/",
+        "/api/hosts/",
+        "/api/devices/",
+        "/api/tokens/",
+        "/api/audit/",
+        "/api/experiments/",
+        "/api/quotas/",
+        "/api/runs/",
+    ):
+        body = client.get(path + "?page_size=1").json()
+        assert set(body) == {"count", "next", "previous", "results"}, path
+        assert len(body["results"]) <= 1, path
+
+
+# --- wait --------------------------------------------------------------------------------------------
+
+
+def test_wait_returns_at_once_for_a_terminal_run(as_user, owner, team_a, experiment, submit):
+    run = submit(experiment)
+    handler.finish_run(run, RunState.FAILED, "trainer exited with code 1")
+    body = as_user(owner, team_a).get(f"/api/runs/{run.pk}/wait/?timeout=300").json()
+    assert (body["state"], body["terminal"], body["reason"]) == ("FAILED", True, "trainer exited with code 1")
+
+
+def test_wait_returns_when_the_timeout_passes(as_user, owner, team_a, experiment, submit):
+    run = submit(experiment)
+    body = as_user(owner, team_a).get(f"/api/runs/{run.pk}/wait/?timeout=0.2").json()
+    assert (body["id"], body["state"], body["terminal"]) == (run.pk, "ADMITTED", False)
+
+
+@pytest.mark.parametrize(
+    "timeout,message",
+    [
+        ("soon", "must be a number of seconds"),
+        ("301", "must be between 0 and 300 seconds"),
+        ("-1", "must be between 0 and 300 seconds"),
+    ],
+)
+def test_wait_rejects_bad_timeouts(as_user, owner, team_a, experiment, submit, timeout, message):
+    run = submit(experiment)
+    response = as_user(owner, team_a).get(f"/api/runs/{run.pk}/wait/?timeout={timeout}")
+    assert response.status_code == 400
+    assert _errors(response) == [("timeout", message)]
+
+
+# --- experiments ----------------------------------------------------------------------------------------
+
+
+def test_editor_creates_an_experiment_with_its_own_quota(as_user, editor, team_a, cpu_group):
+    response = as_user(editor, team_a).post(
+        "/api/experiments/", {"name": "grpo-sweep", "group": "cpu-local"}, format="json"
+    )
+    assert response.status_code == 201
+    exp = Experiment.objects.get(name="grpo-sweep")
+    assert (response.json()["id"], exp.team, exp.group, exp.quota.name) == (exp.pk, team_a, cpu_group, "grpo-sweep")
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ({"name": "exp-a", "group": "cpu-local"}, [("name", "team team-a already has an experiment 'exp-a'")]),
+        ({"name": "bad name!", "group": "cpu-local"}, [("name", "1-100 letters, digits, '.', '_' or '-'")]),
+        (
+            {"name": "new", "group": "no-such-group"},
+            [("group", "no resource group 'no-such-group' available to your teams")],
+        ),
+        ({"name": "new", "group": "cpu-local", "quota": 999999}, [("quota", "team team-a has no quota 999999")]),
+        ({"group": "cpu-local"}, [("name", "This field is required.")]),
+    ],
+)
+def test_bad_experiment_input_is_400_and_writes_nothing(as_user, editor, team_a, experiment, body, expected):
+    before = (Experiment.objects.count(), Quota.objects.count())
+    response = as_user(editor, team_a).post("/api/experiments/", body, format="json")
+    assert response.status_code == 400
+    assert _errors(response) == expected
+    assert (Experiment.objects.count(), Quota.objects.count()) == before
+
+
+def test_viewer_cannot_create_experiments(as_user, viewer, team_a, cpu_group):
+    response = as_user(viewer, team_a).post("/api/experiments/", {"name": "n", "group": "cpu-local"}, format="json")
+    assert response.status_code == 403
+    assert Experiment.objects.count() == 0
+
+
+def test_wait_without_the_trailing_slash_redirects_keeping_the_timeout(as_user, owner, team_a, experiment, submit):
+    run = submit(experiment)
+    response = as_user(owner, team_a).get(f"/api/runs/{run.pk}/wait?timeout=0")
+    assert (response.status_code, response["Location"]) == (301, f"/api/runs/{run.pk}/wait/?timeout=0")
