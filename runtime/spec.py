@@ -262,7 +262,9 @@ def parse_spec_text(text: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError([{"field": "spec", "message": f"malformed YAML{where}: {getattr(exc, 'problem', exc)}"}]) from None
+        raise SpecError(
+            [{"field": "spec", "message": f"malformed YAML{where}: {getattr(exc, 'problem', exc)}"}]
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -294,7 +296,9 @@ def load_spec(source: str | Path | dict[str, Any], overrides: list[str] | None =
     if isinstance(source, dict):
         data = json.loads(json.dumps(source))  # deep copy, JSON-safe
     else:
-        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml", ".json"))):
+        if isinstance(source, Path) or (
+            isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml", ".json"))
+        ):
             path = Path(source)
             if not path.is_file():
                 raise SpecError([{"field": "spec", "message": f"no such spec file: {path}"}])
