@@ -1,0 +1,71 @@
+"""Build or load the policy: a Hugging Face causal LM plus its tokenizer, and save it back in HF format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.models.configs import builtin_config
+from runtime.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """The model spec points at something that cannot be loaded (message names the field)."""
+
+
+def check_model_path(path: str | Path) -> Path:
+    """Fail early, before any work starts, when ``model.path`` is not a loadable HF directory."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelError(f"model.path: no such model directory: {p}")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"model.path: {p} has no config.json (not a Hugging Face model directory)")
+    return p
+
+
+def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> tuple[Any, CharTokenizer | HFTokenizer]:
+    """The policy model and tokenizer described by ``model_spec`` (a runtime.spec.ModelSpec), on ``device``.
+
+    With ``path`` set the directory is loaded with ``from_pretrained(local_files_only=True)``; otherwise
+    the named built-in architecture is initialised from ``seed`` (without disturbing the global RNG).
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[model_spec.dtype]
+    model: Any  # a transformers PreTrainedModel (its stubs type .to() too narrowly)
+    if model_spec.path:
+        path = check_model_path(model_spec.path)
+        try:
+            tokenizer = CharTokenizer() if model_spec.tokenizer == "char" else load_tokenizer(path)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"model.path: cannot load {path}: {exc}") from None
+    else:
+        tokenizer = CharTokenizer()
+        config = builtin_config(
+            model_spec.builtin, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ModelError(
+            f"model.tokenizer: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
+        )
+    return model.to(device), tokenizer
+
+
+def save_hf(model: Any, tokenizer: CharTokenizer | HFTokenizer, directory: str | Path) -> Path:
+    """Save ``model`` (safetensors + config) and ``tokenizer`` so transformers, vLLM and build_policy load it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokenizer.save(directory)
+    return directory

@@ -1,0 +1,146 @@
+"""Tokenizers with one small interface: ``encode``, ``decode``, ``eos_id``, ``pad_id``, ``bos_id``,
+``vocab_size``, ``save``.
+
+:class:`CharTokenizer` is the built-in one for the synthetic tasks: one token
+per printable ASCII character plus newline, and four specials. It saves itself
+both as ``char_tokenizer.json`` (read back by :func:`load_tokenizer`) and as a
+Hugging Face fast tokenizer (``tokenizer.json``), so a checkpoint directory
+loads in transformers and vLLM too. :class:`HFTokenizer` wraps a model
+directory's own tokenizer behind the same interface.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+CHAR_FILE = "char_tokenizer.json"
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+
+class Tokenizer(Protocol):
+    eos_id: int
+    pad_id: int
+    bos_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def save(self, directory: str | Path) -> None: ...
+
+
+class CharTokenizer:
+    """One id per character; ids 0-3 are pad, bos, eos, unk. Unknown characters map to unk."""
+
+    def __init__(self, chars: str = _CHARS):
+        if len(set(chars)) != len(chars):
+            raise ValueError("CharTokenizer: characters must be unique")
+        self.chars = chars
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = 0, 1, 2, 3
+        self._ids = {ch: i + len(SPECIALS) for i, ch in enumerate(chars)}
+        self.vocab_size = len(SPECIALS) + len(chars)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        ids = self._ids
+        unk = self.unk_id
+        return [ids.get(ch, unk) for ch in text]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a prompt as the model sees it: bos, then the text."""
+        return [self.bos_id, *self.encode(text)]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; special tokens are dropped."""
+        n = len(SPECIALS)
+        chars = self.chars
+        return "".join(chars[i - n] for i in ids if n <= i < self.vocab_size)
+
+    def save(self, directory: str | Path) -> None:
+        """Write char_tokenizer.json plus Hugging Face tokenizer files into ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CHAR_FILE).write_text(json.dumps({"type": "char", "chars": self.chars}))
+        self.to_hf().save_pretrained(str(directory))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CharTokenizer:
+        data = json.loads((Path(directory) / CHAR_FILE).read_text())
+        if data.get("type") != "char" or not isinstance(data.get("chars"), str):
+            raise ValueError(f"{Path(directory) / CHAR_FILE}: not a char tokenizer file")
+        return cls(data["chars"])
+
+    def to_hf(self) -> Any:
+        """An equivalent transformers fast tokenizer: same ids for every character of the vocabulary.
+
+        Written as a byte-level BPE without merges (GPT-2 byte symbols, e.g. space is "Ġ") rather than a
+        word-level character split, because transformers 5 rebuilds Qwen2 tokenizers from vocab + merges
+        with Qwen's own byte-level pre-tokenizer; this form survives that rebuild unchanged. Characters
+        outside the vocabulary are dropped or become <unk> there (the char tokenizer maps them to <unk>).
+        """
+        from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+        vocab.update({_byte_symbol(ch): i for ch, i in self._ids.items()})
+        raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        raw.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(
+            tokenizer_object=raw, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+        )
+
+
+def _byte_symbol(ch: str) -> str:
+    """GPT-2 byte-level symbol of an ASCII character: printable ones are themselves, bytes 0-32 shift to 256+."""
+    code = ord(ch)
+    if code > 126:
+        raise ValueError(f"CharTokenizer: only ASCII characters can be exported, got {ch!r}")
+    return chr(256 + code) if code < 33 else ch
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the runtime's tokenizer interface."""
+
+    def __init__(self, hf: Any):
+        self.hf = hf
+        if hf.eos_token_id is None:
+            raise ValueError("the model's tokenizer defines no eos token; generation could never stop")
+        self.eos_id = int(hf.eos_token_id)
+        self.pad_id = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_id
+        self.bos_id = int(hf.bos_token_id) if hf.bos_token_id is not None else None
+        self.vocab_size = len(hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        # The tokenizer's own rule decides whether a bos is prepended (Llama yes, Qwen no).
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def save(self, directory: str | Path) -> None:
+        self.hf.save_pretrained(str(directory))
+
+
+def load_tokenizer(directory: str | Path) -> CharTokenizer | HFTokenizer:
+    """The tokenizer saved in a model directory: the char tokenizer when char_tokenizer.json is there."""
+    directory = Path(directory)
+    if (directory / CHAR_FILE).is_file():
+        return CharTokenizer.load(directory)
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model.path {directory}: no usable tokenizer ({exc})") from None
+    return HFTokenizer(hf)

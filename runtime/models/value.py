@@ -1,0 +1,46 @@
+"""The PPO critic: a copy of the policy's transformer backbone with a scalar value head."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.models.logprobs import positions_from_mask
+
+
+class ValueModel(nn.Module):
+    """values[b, t] = estimated return after token t. The head starts at zero so early values do not mislead GAE."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        param = next(backbone.parameters())
+        self.head = nn.Linear(hidden_size, 1, dtype=param.dtype, device=param.device)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: Any) -> ValueModel:
+        """A critic initialised from the policy's backbone (an independent copy; the policy is untouched)."""
+        backbone = copy.deepcopy(policy.base_model)
+        backbone.requires_grad_(True)
+        return cls(backbone, policy.config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> values [B, T] (float32)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()

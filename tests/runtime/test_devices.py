@@ -1,0 +1,103 @@
+"""Device kinds, backends, visibility variables, seeding — and clear errors for what is not there."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+
+import pytest
+import torch
+
+from runtime.devices import (
+    DeviceError,
+    device_count,
+    dist_backend,
+    manual_seed_all,
+    probe_inventory,
+    resolve_device,
+    set_threads,
+    visibility_env,
+)
+
+
+def test_cpu_resolves():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert device_count("cpu") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_missing_cuda_is_a_device_error():
+    with pytest.raises(DeviceError, match="device `cuda` requested"):
+        resolve_device("cuda")
+    assert device_count("cuda") == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed")
+def test_missing_torch_npu_is_a_device_error_naming_the_package():
+    with pytest.raises(DeviceError, match="torch_npu"):
+        resolve_device("npu")
+    assert "torch_npu" not in sys.modules
+
+
+def test_cpu_never_imports_torch_npu():
+    resolve_device("cpu")
+    dist_backend("npu")
+    visibility_env("npu", [0, 1])
+    assert "torch_npu" not in sys.modules
+
+
+def test_unknown_kind_and_bad_index():
+    with pytest.raises(DeviceError, match="unknown device kind 'tpu'"):
+        resolve_device("tpu")
+    with pytest.raises(DeviceError, match="index must be >= 0"):
+        resolve_device("cpu", -1)
+    with pytest.raises(DeviceError, match="unknown device kind"):
+        dist_backend("xpu")
+
+
+def test_backends():
+    assert [dist_backend(k) for k in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
+
+
+def test_visibility_env():
+    assert visibility_env("cpu", [0]) == {}
+    assert visibility_env("cuda", [2, 3]) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert visibility_env("npu", [0, 1, 7]) == {"ASCEND_RT_VISIBLE_DEVICES": "0,1,7"}
+    assert visibility_env("npu", []) == {"ASCEND_RT_VISIBLE_DEVICES": ""}
+    with pytest.raises(DeviceError, match=">= 0"):
+        visibility_env("cuda", [-1])
+
+
+def test_set_threads():
+    before = torch.get_num_threads()
+    try:
+        set_threads(None)
+        assert torch.get_num_threads() == before
+        set_threads(1)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(DeviceError):
+            set_threads(0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_manual_seed_all_repeats_every_generator():
+    import numpy as np
+
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    manual_seed_all(123)
+    a = draw()
+    manual_seed_all(123)
+    assert draw() == a
+    manual_seed_all(124)
+    assert draw() != a
+
+
+def test_probe_inventory_cpu_and_absent_tools():
+    assert probe_inventory("cpu")[0].startswith("cpu: ")
+    if importlib.util.find_spec("torch_npu") is None:
+        assert isinstance(probe_inventory("npu"), list)
