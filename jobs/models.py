@@ -132,3 +132,191 @@ class Allocation(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} -> device {self.device_id}"
+
+
+# --- Runtime-facing records: run tokens, ingest, commands (jobs.ingest, jobs.commands) ----------------
+
+
+class RunToken(models.Model):
+    """A bearer token that lets the role processes of one run attempt write to the ingest API.
+
+    Minted by ``jobs.ingest.tokens.mint_run_token`` at launch; only a hash is stored.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tokens")
+    attempt = models.PositiveIntegerField()
+    prefix = models.CharField(max_length=16, unique=True, help_text="Public lookup part of the token")
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "attempt", "pk"]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} attempt {self.attempt} ({self.prefix}…)"
+
+
+class MetricPointQuerySet(models.QuerySet):
+    def live(self):
+        """What readers show by default: points not rewound by a rollback."""
+        return self.filter(rewound=False)
+
+
+class MetricPoint(models.Model):
+    """All metrics of one step of one run attempt, as a JSON object ``{name: number | null}``.
+
+    Only one *live* row per (run, attempt, step): a replayed step merges its new
+    keys in (first value of a key wins). Rows past a completed rollback are
+    marked ``rewound`` — kept for the record, hidden by default — and the steps
+    that follow the rollback get live rows of their own.
+    """
+
+    # No separate index on run: metricpoint_run_step_idx starts with it (one index less to write per point).
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_points", db_index=False)
+    attempt = models.PositiveIntegerField()
+    step = models.BigIntegerField()
+    time = models.DateTimeField(help_text="When the runtime measured it")
+    metrics = models.JSONField(default=dict)
+    rewound = models.BooleanField(default=False)
+
+    objects = MetricPointQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["run_id", "step", "attempt", "pk"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "attempt", "step"], condition=Q(rewound=False), name="metricpoint_unique_live_step"
+            ),
+        ]
+        indexes = [models.Index(fields=["run", "step"], name="metricpoint_run_step_idx")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id}/{self.attempt} step {self.step}"
+
+
+class RunEvent(models.Model):
+    """One runtime event (checkpoint, eval, resume, ...), idempotent on (run, attempt, role, seq)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
+    attempt = models.PositiveIntegerField()
+    role = models.CharField(max_length=100, blank=True, help_text="Reporting role; seq counts per role")
+    seq = models.BigIntegerField()
+    kind = models.CharField(max_length=50)
+    payload = models.JSONField(default=dict)
+    time = models.DateTimeField()
+
+    class Meta:
+        ordering = ["run_id", "attempt", "time", "pk"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "attempt", "role", "seq"], name="runevent_unique_seq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id}/{self.attempt} {self.kind} #{self.seq}"
+
+
+class CheckpointRecord(models.Model):
+    """A checkpoint the runtime wrote (its directory on the run's storage), one row per path."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.PositiveIntegerField(default=0)
+    step = models.BigIntegerField()
+    weight_version = models.BigIntegerField(null=True, blank=True)
+    path = models.CharField(max_length=500)
+    size = models.BigIntegerField(null=True, blank=True, help_text="Bytes")
+    metrics = models.JSONField(default=dict, blank=True)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run_id", "step", "pk"]
+        constraints = [models.UniqueConstraint(fields=["run", "path"], name="checkpointrecord_unique_path")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} checkpoint step {self.step}"
+
+
+class RoleHeartbeat(models.Model):
+    """The last sign of life of one role process of a run attempt (the watchdog reads these)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="heartbeats")
+    role = models.CharField(max_length=100)
+    attempt = models.PositiveIntegerField()
+    status = models.CharField(max_length=40, default="running")
+    info = models.JSONField(default=dict, blank=True)
+    first_seen = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run_id", "role", "attempt"]
+        constraints = [models.UniqueConstraint(fields=["run", "role", "attempt"], name="roleheartbeat_unique_role")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} {self.role}/{self.attempt} {self.status}"
+
+
+class CommandKind(models.TextChoices):
+    PAUSE = "pause"
+    RESUME = "resume"
+    STOP = "stop"
+    CANCEL = "cancel"
+    ROLLBACK = "rollback"
+    FORK = "fork"
+    SET_PARAMS = "set_params"
+
+
+class CommandState(models.TextChoices):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Command(models.Model):
+    """An instruction to a run's runtime, persisted with its state: pending -> delivered -> done | failed.
+
+    Change it only through ``jobs.commands``.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="commands")
+    kind = models.CharField(max_length=20, choices=CommandKind.choices)
+    args = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=10, choices=CommandState.choices, default=CommandState.PENDING)
+    message = models.TextField(blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    deliveries = models.PositiveIntegerField(default=0, help_text="Replies that carried it (redelivered if unacked)")
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "pk"]
+        indexes = [models.Index(fields=["run", "state"], name="command_run_state_idx")]
+
+    def __str__(self) -> str:
+        return f"command {self.pk} {self.kind} of run {self.run_id} ({self.state})"
+
+
+class ConfigVersion(models.Model):
+    """A numbered live change of a run's safe parameters (``params``: dotted name -> value)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="config_versions")
+    number = models.PositiveIntegerField()
+    params = models.JSONField()
+    command = models.OneToOneField(
+        Command, null=True, blank=True, on_delete=models.SET_NULL, related_name="config_version"
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run_id", "number"]
+        constraints = [models.UniqueConstraint(fields=["run", "number"], name="configversion_unique_number")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} config v{self.number}"

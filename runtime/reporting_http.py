@@ -10,12 +10,13 @@ acknowledged batch moves a durable cursor (``<spool_dir>/cursor.json``). So:
 - the runtime crashes or restarts: a new reporter on the same ``spool_dir``
   replays the undelivered records first, in their original order;
 - a batch whose reply was lost is sent again: every point carries its
-  idempotency key ``(run, attempt, step)`` (events: ``(run, attempt, seq)``),
+  idempotency key ``(run, attempt, step)`` (events: ``(run, attempt, role, seq)``:
+  each role process has its own reporter and so its own ``seq`` counter),
   so the platform stores it once.
 
 Wire format (``POST <base_url><path>``, ``Authorization: Bearer <token>``)::
 
-    {"run": "...", "attempt": 0,
+    {"run": "...", "attempt": 0, "role": "trainer-0",
      "points": [{"seq": 7, "step": 12, "time": 1732960000.1, "metrics": {"reward/mean": 0.5}}],
      "events": [{"seq": 8, "time": ..., "kind": "checkpoint", "payload": {...}}]}
 
@@ -48,7 +49,8 @@ DEFAULT_PATH = "/api/ingest/metrics"
 class HttpReporter:
     """A :class:`runtime.metrics.Reporter` that delivers to the platform over HTTP.
 
-    ``run`` and ``attempt`` form the idempotency key with each step. Knobs:
+    ``run`` and ``attempt`` form the idempotency key with each step; ``role`` names the
+    reporting process (its events' ``seq`` numbers are its own). Knobs:
     ``batch_size`` records per POST; ``min_interval_s`` between POSTs (points
     arriving meanwhile share the next batch); back-off from ``backoff_s``
     doubling to ``backoff_max_s`` while the platform fails; ``timeout_s`` per
@@ -64,6 +66,7 @@ class HttpReporter:
         *,
         run: str = "",
         attempt: int = 0,
+        role: str = "",
         path: str = DEFAULT_PATH,
         batch_size: int = 500,
         min_interval_s: float = 1.0,
@@ -81,6 +84,7 @@ class HttpReporter:
         self.url = base_url.rstrip("/") + "/" + path.lstrip("/")
         self.run = str(run)
         self.attempt = int(attempt)
+        self.role = str(role)
         self.batch_size = batch_size
         self.min_interval_s = min_interval_s
         self.backoff_s = backoff_s
@@ -284,6 +288,7 @@ class HttpReporter:
         body = {
             "run": self.run,
             "attempt": self.attempt,
+            "role": self.role,
             "points": [r for r in records if "step" in r],
             "events": [r for r in records if "kind" in r],
         }

@@ -1,0 +1,313 @@
+"""Commands to a run's runtime: create (audited), deliver on ingest replies, complete on the runtime's ack.
+
+States: pending -> delivered -> done | failed. ``deliver`` hands a command out
+on the reply to any ingest call or heartbeat of the run; a delivered command
+that is not acknowledged within ``REDELIVER_AFTER`` rides out again (the reply
+may have been lost), so the runtime must treat command ids idempotently.
+
+Kinds and what the platform does (the runtime does the rest):
+
+    pause       RUNNING      done -> PAUSED (devices kept)
+    resume      PAUSED       done -> RUNNING
+    stop        RUNNING/PAUSED   done (after the final checkpoint) -> COMPLETED
+    cancel      cancellable  the run is CANCELLED at once; the runtime is told to exit
+    rollback    RUNNING/PAUSED   {checkpoint: id of one of this run's checkpoints};
+                             done -> metric points after its step are marked rewound
+    fork        any          {checkpoint, spec?, overrides?, name?}: submits a new run with
+                             parent_checkpoint and the edited spec; done at once
+    set_params  active       {params: {"trainer.lr": 1e-5, ...}}: safe parameters only,
+                             validated against runtime.spec, recorded as a ConfigVersion
+
+Permission checks are the caller's, as in jobs.handler.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist
+from django.db import transaction
+from django.db.models import F, Max, Q
+from django.utils import timezone
+
+from jobs import handler
+from jobs.handler import Conflict, InvalidInput
+from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, ConfigVersion, MetricPoint, Run
+from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
+from rlplatform import audit
+from runtime.spec import SpecError, validate_spec
+
+__all__ = [
+    "RESULT_STATES",
+    "SAFE_PARAMS",
+    "CommandNotFound",
+    "complete",
+    "create",
+    "deliver",
+    "effective_params",
+]
+
+RESULT_STATES = (CommandState.DONE.value, CommandState.FAILED.value)
+# Parameters the runtime can change between steps without a restart.
+SAFE_PARAMS = ("pipeline.max_policy_lag", "pipeline.eval_interval", "trainer.lr")
+REDELIVER_AFTER = datetime.timedelta(seconds=30)
+AUDITED_FIELDS = ("run", "kind", "args", "state", "message")
+
+S = RunState
+ALLOWED_FROM: dict[str, frozenset[RunState]] = {
+    CommandKind.PAUSE: frozenset({S.RUNNING}),
+    CommandKind.RESUME: frozenset({S.PAUSED}),
+    CommandKind.STOP: frozenset({S.RUNNING, S.PAUSED}),
+    CommandKind.CANCEL: CANCELLABLE_STATES,
+    CommandKind.ROLLBACK: frozenset({S.RUNNING, S.PAUSED}),
+    CommandKind.FORK: frozenset(RunState),
+    CommandKind.SET_PARAMS: frozenset({S.ADMITTED, S.STARTING, S.RUNNING, S.PAUSED}),
+}
+# Where a run goes when the runtime reports one of these commands done.
+STATE_AFTER_DONE = {CommandKind.PAUSE: S.PAUSED, CommandKind.RESUME: S.RUNNING, CommandKind.STOP: S.COMPLETED}
+
+
+class CommandNotFound(ObjectDoesNotExist):
+    """No such command for this run (404)."""
+
+
+def _redeliver_after() -> datetime.timedelta:
+    seconds = getattr(settings, "TANDEM_COMMAND_REDELIVER_S", None)
+    return datetime.timedelta(seconds=seconds) if seconds else REDELIVER_AFTER
+
+
+def _team_id(run: Run) -> int:
+    return Run.objects.filter(pk=run.pk).values_list("experiment__team_id", flat=True).get()
+
+
+def _record(actor, action: str, command: Command, before: dict | None) -> None:
+    audit.record(actor, action, command, before, audit.snapshot(command, AUDITED_FIELDS), team=_team_id(command.run))
+
+
+# --- create ------------------------------------------------------------------------------------------
+
+
+def create(actor, run: Run, kind: str, args: dict[str, Any] | None = None) -> Command:
+    """Validate and persist a command for ``run`` (audited). Bad input: InvalidInput naming the field;
+    a kind the run's state does not allow: Conflict."""
+    if kind not in CommandKind.values:
+        raise InvalidInput.one("kind", f"must be one of {', '.join(CommandKind.values)}")
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise InvalidInput.one("args", "must be an object")
+    run.refresh_from_db(fields=["state"])
+    if RunState(run.state) not in ALLOWED_FROM[kind]:
+        raise Conflict(f"cannot {kind} run {run.pk} while it is {run.state}")
+    user = actor if getattr(actor, "is_authenticated", False) else None
+    if kind == CommandKind.CANCEL:
+        return _create_cancel(actor, user, run, args)
+    if kind == CommandKind.FORK:
+        return _create_fork(actor, user, run, args)
+    with transaction.atomic():
+        if kind == CommandKind.ROLLBACK:
+            args = _rollback_args(run, args)
+        elif kind == CommandKind.SET_PARAMS:
+            Run.objects.select_for_update().filter(pk=run.pk).get()  # numbers versions one at a time
+            params = _validated_params(run, args)
+            args = {"params": params}
+        elif args:
+            raise InvalidInput.one(f"args.{next(iter(args))}", f"{kind} takes no arguments")
+        command = Command.objects.create(run=run, kind=kind, args=args, created_by=user)
+        if kind == CommandKind.SET_PARAMS:
+            number = (ConfigVersion.objects.filter(run=run).aggregate(n=Max("number"))["n"] or 0) + 1
+            ConfigVersion.objects.create(run=run, number=number, params=params, command=command, created_by=user)
+        _record(actor, "command.create", command, None)
+    return command
+
+
+def _checkpoint_of(run: Run, args: dict[str, Any]) -> CheckpointRecord:
+    ref = args.get("checkpoint")
+    if isinstance(ref, bool) or not isinstance(ref, int):
+        raise InvalidInput.one("args.checkpoint", "must be the id of one of this run's checkpoints")
+    record = CheckpointRecord.objects.filter(pk=ref).first()
+    if record is None:
+        raise InvalidInput.one("args.checkpoint", f"no checkpoint {ref}")
+    if record.run_id != run.pk:
+        raise InvalidInput.one("args.checkpoint", f"checkpoint {ref} belongs to run {record.run_id}, not run {run.pk}")
+    return record
+
+
+def _rollback_args(run: Run, args: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(args) - {"checkpoint"})
+    if unknown:
+        raise InvalidInput.one(f"args.{unknown[0]}", "unknown field")
+    record = _checkpoint_of(run, args)
+    return {"checkpoint": record.pk, "step": record.step, "path": record.path, "weight_version": record.weight_version}
+
+
+def effective_params(run: Run) -> dict[str, Any]:
+    """The safe parameters now in force: the resolved spec's, overlaid by every config version not failed."""
+    values = {key: _get(run.resolved_spec, key) for key in SAFE_PARAMS}
+    for version in ConfigVersion.objects.filter(run=run).exclude(command__state=CommandState.FAILED):
+        values.update(version.params)
+    return values
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part, {}) if isinstance(data, dict) else {}
+    return data if data != {} else None
+
+
+def _validated_params(run: Run, args: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(args) - {"params"})
+    if unknown:
+        raise InvalidInput.one(f"args.{unknown[0]}", "unknown field")
+    params = args.get("params")
+    if not isinstance(params, dict) or not params:
+        raise InvalidInput.one("args.params", f"give at least one of {', '.join(SAFE_PARAMS)}")
+    bad = [key for key in params if key not in SAFE_PARAMS]
+    if bad:
+        raise InvalidInput(
+            [
+                {"field": f"args.params.{key}", "message": f"not a live parameter; allowed: {', '.join(SAFE_PARAMS)}"}
+                for key in bad
+            ]
+        )
+    data = copy.deepcopy(run.resolved_spec)
+    for key, value in {**effective_params(run), **params}.items():
+        section, name = key.split(".")
+        data.setdefault(section, {})[name] = value
+    try:
+        spec = validate_spec(data)
+    except SpecError as exc:
+        raise InvalidInput(
+            [{"field": f"args.params.{e['field']}", "message": e["message"]} for e in exc.errors]
+        ) from None
+    # Store the validated values ("1e-5" given as text is stored as the number the runtime will use).
+    resolved = spec.resolved()
+    return {key: _get(resolved, key) for key in params}
+
+
+def _create_cancel(actor, user, run: Run, args: dict[str, Any]) -> Command:
+    if args:
+        raise InvalidInput.one(f"args.{next(iter(args))}", "cancel takes no arguments")
+    with transaction.atomic():
+        started = RunState(run.state) not in (S.QUEUED,)
+        handler.cancel_run(actor, run)  # audited as run.cancel; frees the devices at once
+        command = Command.objects.create(run=run, kind=CommandKind.CANCEL, created_by=user)
+        if not started:
+            # No runtime will ever ask for it: nothing to tell.
+            Command.objects.filter(pk=command.pk).update(
+                state=CommandState.DONE, message="cancelled before admission", finished_at=timezone.now()
+            )
+            command.refresh_from_db()
+        _record(actor, "command.create", command, None)
+    return command
+
+
+def _create_fork(actor, user, run: Run, args: dict[str, Any]) -> Command:
+    unknown = sorted(set(args) - {"checkpoint", "spec", "overrides", "name"})
+    if unknown:
+        raise InvalidInput.one(f"args.{unknown[0]}", "unknown field")
+    record = _checkpoint_of(run, args)
+    spec = args.get("spec") if args.get("spec") is not None else run.spec
+    overrides = args.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise InvalidInput.one("args.overrides", "must be a list of `section.field=value` strings")
+    name = args.get("name")
+    with transaction.atomic():
+        try:
+            child, _created = handler.submit_run(
+                actor, run.experiment, spec, overrides=overrides, name=name, parent_checkpoint=record.path
+            )
+        except InvalidInput as exc:
+            raise InvalidInput(
+                [
+                    {
+                        "field": "args.name" if e["field"] == "name" else f"args.spec.{e['field']}",
+                        "message": e["message"],
+                    }
+                    for e in exc.errors
+                ]
+            ) from None
+        stored = {"checkpoint": record.pk, "step": record.step, "path": record.path, "run": child.pk}
+        if args.get("spec") is not None:
+            stored["spec"] = args["spec"]
+        if overrides:
+            stored["overrides"] = overrides
+        command = Command.objects.create(
+            run=run,
+            kind=CommandKind.FORK,
+            args=stored,
+            created_by=user,
+            state=CommandState.DONE,
+            message=f"forked as run {child.pk}",
+            finished_at=timezone.now(),
+        )
+        _record(actor, "command.create", command, None)
+    return command
+
+
+# --- deliver and complete ----------------------------------------------------------------------------
+
+
+def deliver(run_id: int) -> list[dict[str, Any]]:
+    """Commands to put on a reply to the run's runtime, moved to delivered: the pending ones and the
+    delivered ones not acknowledged for REDELIVER_AFTER. Oldest first."""
+    now = timezone.now()
+    due = Q(state=CommandState.PENDING) | Q(state=CommandState.DELIVERED, delivered_at__lt=now - _redeliver_after())
+    with transaction.atomic():
+        # skip_locked: a concurrent reply of the same run takes what it locked; no command rides on both.
+        rows = list(
+            Command.objects.select_for_update(skip_locked=True)
+            .filter(due, run_id=run_id)
+            .order_by("pk")
+            .values("pk", "kind", "args")
+        )
+        if rows:
+            Command.objects.filter(pk__in=[r["pk"] for r in rows]).update(
+                state=CommandState.DELIVERED, delivered_at=now, deliveries=F("deliveries") + 1
+            )
+    return [{"id": r["pk"], "kind": r["kind"], "args": r["args"]} for r in rows]
+
+
+def complete(run_id: int, command_id: int, state: str, message: str = "") -> Command:
+    """The runtime's result for a command: done or failed, with a message. Audited.
+
+    A repeated identical result is a no-op (a retried ack); a contradicting one is a Conflict.
+    On done the run moves on (pause -> PAUSED, resume -> RUNNING, stop -> COMPLETED) and a
+    rollback marks the metric points after its checkpoint's step as rewound.
+    """
+    if state not in RESULT_STATES:
+        raise InvalidInput.one("state", f"must be one of {', '.join(RESULT_STATES)}")
+    with transaction.atomic():
+        command = Command.objects.select_for_update().filter(pk=command_id, run_id=run_id).first()
+        if command is None:
+            raise CommandNotFound(f"run {run_id} has no command {command_id}")
+        if command.state in RESULT_STATES:
+            if command.state == state:
+                return command
+            raise Conflict(f"command {command_id} is already {command.state}")
+        before = audit.snapshot(command, AUDITED_FIELDS)
+        command.state, command.message, command.finished_at = state, message, timezone.now()
+        command.save(update_fields=["state", "message", "finished_at"])
+        _record(None, "command.complete", command, before)
+        if state == CommandState.DONE:
+            _apply_done(command)
+    return command
+
+
+def _apply_done(command: Command) -> None:
+    if command.kind == CommandKind.ROLLBACK:
+        mark_rewound(command.run_id, int(command.args["step"]))
+    target = STATE_AFTER_DONE.get(command.kind)
+    if target is not None:
+        try:
+            handler.transition(command.run, target)
+        except IllegalTransition:
+            pass  # the run moved meanwhile (e.g. cancelled); the command's own result still stands
+
+
+def mark_rewound(run_id: int, step: int) -> int:
+    """Mark the run's live metric points after ``step`` rewound (kept, hidden by default); returns how many."""
+    return MetricPoint.objects.filter(run_id=run_id, step__gt=step).live().update(rewound=True)

@@ -1,0 +1,402 @@
+"""Ingest logic: validate a runtime's batch, store it idempotently in bulk, hand back pending commands.
+
+Every function takes the authenticated RunToken: writes go to its run and
+attempt only. A batch is validated completely before anything is written, so a
+malformed batch stores nothing (InvalidInput, 400, naming the field such as
+``points[3].step``); a body naming another run or attempt raises WrongRun (403).
+
+Idempotency keys: metric values (run, attempt, step, metric) — a replayed
+step merges only keys it did not have, the first value of a key wins; events
+(run, attempt, role, seq); checkpoints (run, path); heartbeats (run, role,
+attempt). Metric points of a batch go to the database in one statement.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from jobs import commands
+from jobs.handler import InvalidInput
+from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, RunEvent, RunToken
+
+MAX_POINTS = 10_000  # per batch; the reporter sends 500
+MAX_METRICS_PER_POINT = 1_000
+MAX_EVENTS = 10_000
+MAX_NAME = 200
+MAX_ROLE = 100
+MAX_KIND = 50
+MAX_ERRORS = 20  # reported per bad batch; the rest is noise
+MAX_STEP = 2**62  # fits BIGINT with room; no real run gets near it
+MAX_TIME = 32_503_680_000  # year 3000 in Unix seconds: later "times" are garbage, and overflow datetime
+INT_RANGE = (-(2**63), 2**63 - 1)  # integers PostgreSQL can compare as numbers without surprises
+
+
+class WrongRun(Exception):
+    """The body names a run or attempt other than the token's (403)."""
+
+
+@dataclass
+class Batch:
+    role: str = ""
+    points: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)  # step -> (time, metrics)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Errors:
+    def __init__(self):
+        self.items: list[dict[str, str]] = []
+
+    def add(self, where: str, message: str) -> None:
+        if len(self.items) < MAX_ERRORS:
+            self.items.append({"field": where, "message": message})
+
+    def raise_any(self) -> None:
+        if self.items:
+            raise InvalidInput(self.items)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return _is_int(value) and INT_RANGE[0] <= value <= INT_RANGE[1]
+
+
+def _has_nul(value: Any) -> bool:
+    """PostgreSQL text and jsonb cannot hold U+0000; refuse it as bad input instead of failing the insert."""
+    if isinstance(value, str):
+        return "\x00" in value
+    return "\\u0000" in json.dumps(value)
+
+
+def _check_scope(token: RunToken, body: dict[str, Any], errors: _Errors) -> None:
+    """``run`` and ``attempt`` in a body are optional; when present they must be the token's."""
+    run = body.get("run")
+    if run not in (None, "") and str(run) != str(token.run_id):
+        raise WrongRun(f"this token writes to run {token.run_id}, not run {run}")
+    attempt = body.get("attempt")
+    if attempt is not None:
+        if not _is_int(attempt) or attempt < 0:
+            errors.add("attempt", "must be a non-negative integer")
+        elif attempt != token.attempt:
+            raise WrongRun(f"this token writes to attempt {token.attempt} of run {token.run_id}, not attempt {attempt}")
+
+
+def _role(body: dict[str, Any], errors: _Errors, *, required: bool = False) -> str:
+    role = body.get("role", "")
+    if role is None:
+        role = ""
+    if not isinstance(role, str) or len(role) > MAX_ROLE or (required and not role.strip()) or _has_nul(role):
+        errors.add("role", f"must be a string of {'1' if required else '0'} to {MAX_ROLE} characters")
+        return ""
+    return role.strip()
+
+
+def _time(value: Any, where: str, errors: _Errors, now: float) -> float:
+    if value is None:
+        return now
+    if not _is_number(value) or not 0 <= value <= MAX_TIME:
+        errors.add(where, "must be a Unix time in seconds")
+        return now
+    return float(value)
+
+
+def parse_batch(token: RunToken, body: Any) -> Batch:
+    """Validate a reporter body ``{run, attempt, role, points: [...], events: [...]}`` (see runtime.reporting_http)."""
+    if not isinstance(body, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    errors = _Errors()
+    _check_scope(token, body, errors)
+    batch = Batch(role=_role(body, errors))
+    now = timezone.now().timestamp()
+    points = body.get("points", [])
+    if not isinstance(points, list):
+        errors.add("points", "must be a list")
+        points = []
+    elif len(points) > MAX_POINTS:
+        errors.add("points", f"at most {MAX_POINTS} points per batch, got {len(points)}")
+        points = []
+    for i, point in enumerate(points):
+        where = f"points[{i}]"
+        if not isinstance(point, dict):
+            errors.add(where, "must be an object with step and metrics")
+            continue
+        step = point.get("step")
+        if not _is_int(step) or not 0 <= step <= MAX_STEP:
+            errors.add(f"{where}.step", "must be a non-negative integer")
+            continue
+        when = _time(point.get("time"), f"{where}.time", errors, now)
+        metrics = point.get("metrics")
+        if not isinstance(metrics, dict):
+            errors.add(f"{where}.metrics", "must be an object of name: number")
+            continue
+        if len(metrics) > MAX_METRICS_PER_POINT:
+            errors.add(f"{where}.metrics", f"at most {MAX_METRICS_PER_POINT} metrics per point")
+            continue
+        for name, value in metrics.items():
+            if not name or len(name) > MAX_NAME or _has_nul(name):
+                errors.add(f"{where}.metrics", f"metric names must have 1 to {MAX_NAME} characters (no NUL)")
+            elif value is not None and not _is_number(value):
+                errors.add(f"{where}.metrics.{name}", "must be a finite number or null")
+        # The same step twice in one batch (two reporters' records, or a retry glued on): merge, first value wins.
+        earlier = batch.points.get(step)
+        if earlier is None:
+            batch.points[step] = (when, dict(metrics))
+        else:
+            for name, value in metrics.items():
+                earlier[1].setdefault(name, value)
+    events = body.get("events", [])
+    if not isinstance(events, list):
+        errors.add("events", "must be a list")
+        events = []
+    elif len(events) > MAX_EVENTS:
+        errors.add("events", f"at most {MAX_EVENTS} events per batch, got {len(events)}")
+        events = []
+    for i, event in enumerate(events):
+        where = f"events[{i}]"
+        if not isinstance(event, dict):
+            errors.add(where, "must be an object with seq and kind")
+            continue
+        seq, kind, payload = event.get("seq"), event.get("kind"), event.get("payload", {})
+        if not _is_int(seq) or not 0 <= seq <= MAX_STEP:
+            errors.add(f"{where}.seq", "must be a non-negative integer")
+        if not isinstance(kind, str) or not 1 <= len(kind) <= MAX_KIND:
+            errors.add(f"{where}.kind", f"must be a string of 1 to {MAX_KIND} characters")
+        if payload is None:
+            payload = {}
+        if not isinstance(payload, dict) or _has_nul(payload):
+            errors.add(f"{where}.payload", "must be an object (no NUL characters)")
+        when = _time(event.get("time"), f"{where}.time", errors, now)
+        batch.events.append({"seq": seq, "kind": kind, "payload": payload, "time": when})
+    errors.raise_any()
+    return batch
+
+
+def _dt(ts: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC)
+
+
+# One statement per batch. The points travel as one JSON array parameter, unpacked by PostgreSQL in C
+# (per-element array parameters cost more in the driver than the insert itself). Conflict target: the
+# partial unique index of live rows (rewound rows never conflict). The merge keeps existing values
+# (right side of || wins) and skips rows that already hold every key, so a pure replay writes no new
+# row versions. RETURNING tells inserted rows (xmax = 0) from merged ones.
+_UPSERT_PG = """
+INSERT INTO jobs_metricpoint (run_id, attempt, step, time, metrics, rewound)
+SELECT %s, %s, (p->>'step')::bigint, to_timestamp((p->>'time')::float8), p->'metrics', false
+FROM jsonb_array_elements(%s::jsonb) AS p
+ON CONFLICT (run_id, attempt, step) WHERE NOT rewound
+DO UPDATE SET metrics = EXCLUDED.metrics || jobs_metricpoint.metrics
+WHERE NOT (jobs_metricpoint.metrics ?& ARRAY(SELECT jsonb_object_keys(EXCLUDED.metrics)))
+RETURNING (xmax = 0)
+"""
+
+
+def store_points(token: RunToken, points: dict[int, tuple[float, dict[str, Any]]]) -> dict[str, int]:
+    """Upsert the points; returns counts of rows inserted, merged (new keys) and unchanged (pure replays)."""
+    if not points:
+        return {"inserted": 0, "merged": 0, "unchanged": 0}
+    steps = sorted(points)  # one lock order for concurrent batches of a run: no deadlocks between them
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _UPSERT_PG,
+                [
+                    token.run_id,
+                    token.attempt,
+                    json.dumps([{"step": s, "time": points[s][0], "metrics": points[s][1]} for s in steps]),
+                ],
+            )
+            flags = [row[0] for row in cursor.fetchall()]
+        inserted = sum(flags)
+        return {"inserted": inserted, "merged": len(flags) - inserted, "unchanged": len(steps) - len(flags)}
+    return _store_points_portable(token, steps, points)
+
+
+def _store_points_portable(token, steps, points) -> dict[str, int]:
+    """The same merge for SQLite (the one-machine demo): read the live rows, then bulk insert and update."""
+    existing: dict[int, MetricPoint] = {}
+    for start in range(0, len(steps), 500):  # keep under SQLite's bound-variable limit
+        chunk = steps[start : start + 500]
+        for row in MetricPoint.objects.filter(
+            run_id=token.run_id, attempt=token.attempt, rewound=False, step__in=chunk
+        ):
+            existing[row.step] = row
+    new, changed = [], []
+    for step in steps:
+        when, metrics = points[step]
+        row = existing.get(step)
+        if row is None:
+            new.append(
+                MetricPoint(run_id=token.run_id, attempt=token.attempt, step=step, time=_dt(when), metrics=metrics)
+            )
+        elif not metrics.keys() <= row.metrics.keys():
+            row.metrics = {**metrics, **row.metrics}
+            changed.append(row)
+    MetricPoint.objects.bulk_create(new, batch_size=500)
+    MetricPoint.objects.bulk_update(changed, ["metrics"], batch_size=500)
+    return {"inserted": len(new), "merged": len(changed), "unchanged": len(steps) - len(new) - len(changed)}
+
+
+def _checkpoint_from_event(token: RunToken, event: dict[str, Any]) -> CheckpointRecord | None:
+    """The runtime's ``checkpoint`` event ({step, path, ...}) also registers the checkpoint."""
+    payload = event["payload"]
+    step, path = payload.get("step"), payload.get("path")
+    if event["kind"] != "checkpoint" or not _is_int(step) or step < 0 or not isinstance(path, str) or not path:
+        return None
+    version = payload.get("weight_version")
+    size = payload.get("size")
+    metrics = payload.get("metrics")
+    return CheckpointRecord(
+        run_id=token.run_id,
+        attempt=token.attempt,
+        step=step,
+        path=path[:500],
+        weight_version=version if _is_int(version) else None,
+        size=size if _is_int(size) and size >= 0 else None,
+        metrics=metrics if isinstance(metrics, dict) else {},
+        created=_dt(event["time"]),
+    )
+
+
+def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
+    """Store a reporter batch; return the reply: what was stored and the commands to deliver."""
+    batch = parse_batch(token, body)
+    with transaction.atomic():
+        counts = store_points(token, batch.points)
+        if batch.events:
+            RunEvent.objects.bulk_create(
+                [
+                    RunEvent(
+                        run_id=token.run_id,
+                        attempt=token.attempt,
+                        role=batch.role,
+                        seq=e["seq"],
+                        kind=e["kind"],
+                        payload=e["payload"],
+                        time=_dt(e["time"]),
+                    )
+                    for e in batch.events
+                ],
+                ignore_conflicts=True,
+            )
+            checkpoints = [c for c in (_checkpoint_from_event(token, e) for e in batch.events) if c is not None]
+            if checkpoints:
+                CheckpointRecord.objects.bulk_create(checkpoints, ignore_conflicts=True)
+        delivered = commands.deliver(token.run_id)
+    return {"points": counts, "events": len(batch.events), "commands": delivered}
+
+
+def register_checkpoint(token: RunToken, body: Any) -> dict[str, Any]:
+    """``{step, path, weight_version?, size?, metrics?}``; re-registering a path updates its record."""
+    if not isinstance(body, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    errors = _Errors()
+    _check_scope(token, body, errors)
+    step, path = body.get("step"), body.get("path")
+    version, size, metrics = body.get("weight_version"), body.get("size"), body.get("metrics", {})
+    if not _is_int(step) or not 0 <= step <= MAX_STEP:
+        errors.add("step", "must be a non-negative integer")
+    if not isinstance(path, str) or not 1 <= len(path) <= 500 or _has_nul(path):
+        errors.add("path", "must be a string of 1 to 500 characters")
+    if version is not None and (not _is_int(version) or version < 0):
+        errors.add("weight_version", "must be a non-negative integer or null")
+    if size is not None and (not _is_int(size) or size < 0):
+        errors.add("size", "must be a number of bytes or null")
+    if metrics is None:
+        metrics = {}
+    if (
+        not isinstance(metrics, dict)
+        or _has_nul(metrics)
+        or any(v is not None and not _is_number(v) for v in metrics.values())
+    ):
+        errors.add("metrics", "must be an object of name: number")
+    errors.raise_any()
+    with transaction.atomic():
+        CheckpointRecord.objects.bulk_create(
+            [
+                CheckpointRecord(
+                    run_id=token.run_id,
+                    attempt=token.attempt,
+                    step=step,
+                    path=path,
+                    weight_version=version,
+                    size=size,
+                    metrics=metrics,
+                )
+            ],
+            update_conflicts=True,
+            unique_fields=["run", "path"],
+            update_fields=["attempt", "step", "weight_version", "size", "metrics"],
+        )
+        record = CheckpointRecord.objects.get(run_id=token.run_id, path=path)
+        delivered = commands.deliver(token.run_id)
+    return {"checkpoint": record.pk, "commands": delivered}
+
+
+def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
+    """``{role, status?, info?}``: the role is alive now; the reply carries pending commands."""
+    if not isinstance(body, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    errors = _Errors()
+    _check_scope(token, body, errors)
+    role = _role(body, errors, required=True)
+    status = body.get("status", "running")
+    info = body.get("info", {})
+    if not isinstance(status, str) or not 1 <= len(status) <= 40 or _has_nul(status):
+        errors.add("status", "must be a string of 1 to 40 characters")
+    if info is None:
+        info = {}
+    if not isinstance(info, dict) or _has_nul(info):
+        errors.add("info", "must be an object (no NUL characters)")
+    errors.raise_any()
+    now = timezone.now()
+    with transaction.atomic():
+        RoleHeartbeat.objects.bulk_create(
+            [
+                RoleHeartbeat(
+                    run_id=token.run_id,
+                    role=role,
+                    attempt=token.attempt,
+                    status=status,
+                    info=info,
+                    first_seen=now,
+                    last_seen=now,
+                )
+            ],
+            update_conflicts=True,
+            unique_fields=["run", "role", "attempt"],
+            update_fields=["status", "info", "last_seen"],
+        )
+        delivered = commands.deliver(token.run_id)
+    return {"commands": delivered}
+
+
+def command_result(token: RunToken, body: Any) -> dict[str, Any]:
+    """``{command: id, state: done | failed, message?}``: the runtime acknowledges a command."""
+    if not isinstance(body, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    errors = _Errors()
+    _check_scope(token, body, errors)
+    command_id, state, message = body.get("command"), body.get("state"), body.get("message", "")
+    if not _is_int(command_id) or command_id <= 0:
+        errors.add("command", "must be a command id")
+    if state not in commands.RESULT_STATES:
+        errors.add("state", f"must be one of {', '.join(commands.RESULT_STATES)}")
+    if message is None:
+        message = ""
+    if not isinstance(message, str) or len(message) > 10_000 or _has_nul(message):
+        errors.add("message", "must be a string of at most 10000 characters")
+    errors.raise_any()
+    command = commands.complete(token.run_id, command_id, state, message)
+    return {"command": command.pk, "state": command.state, "commands": commands.deliver(token.run_id)}
