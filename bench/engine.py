@@ -2,7 +2,10 @@
 
 Both sample at temperature 1 with no top-k/top-p and ignore eos, so both produce exactly
 ``batch x max_new_tokens`` tokens; tokens/s is measured side by side in one process, best of
-``--repeats`` interleaved runs after a warm-up. Usage:
+``--repeats`` interleaved runs after a warm-up. A second comparison runs the engine on long-tailed
+response lengths (each request generates its own hidden length, eos ignored) with static batching
+(a batch runs until its longest sequence ends) and with continuous batching (a finished slot is
+refilled at the next step), reporting tokens/CPU-s and the padding ratio of each. Usage:
 
     .venv/bin/python bench/engine.py --quick
     .venv/bin/python bench/engine.py --models tiny-qwen2 small-qwen2 --batch 32 --max-new-tokens 128
@@ -104,6 +107,48 @@ def bench_model(name: str, batch: int, max_new: int, repeats: int) -> dict:
     }
 
 
+def bench_continuous(name: str, slots: int, requests: int, max_new: int, repeats: int) -> dict:
+    """Static vs continuous batching in one engine on long-tailed lengths (see module docstring)."""
+    import random
+
+    model, tok = build_policy(ModelSpec(builtin=name), "cpu", seed=0)
+    rng = random.Random(0)
+    work = [
+        (make_prompts(tok, 1, seed=i)[0], min(max_new, max(1, int(4 / (1 - rng.random()) ** 1.3))))
+        for i in range(requests)
+    ]
+    work.sort(key=lambda w: -w[1])  # longest first: what the scheduler hands an instance
+    engine = Engine(model, tok, "cpu", max_batch_size=slots, max_batch_tokens=1 << 30)
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    stats = {}
+
+    def run(refill: bool):
+        def go() -> None:
+            b = engine.batcher(params, gen, refill=refill)
+            for i, (ids, length) in enumerate(work):
+                b.submit(ids, i, max_new_tokens=length)
+            while not b.idle:
+                b.step()
+            stats[refill] = b.stats
+
+        return go
+
+    wall, cpu = time_pair(run(False), run(True), repeats)
+    tokens = sum(length for _, length in work)
+    return {
+        "model": name,
+        "slots": slots,
+        "requests": requests,
+        "generated_tokens": tokens,
+        "static_tokens_per_cpu_s": round(tokens / cpu[0], 1),
+        "continuous_tokens_per_cpu_s": round(tokens / cpu[1], 1),
+        "speedup": round(cpu[0] / cpu[1], 2),
+        "static_padding_ratio": round(stats[False].padding_ratio, 4),
+        "continuous_padding_ratio": round(stats[True].padding_ratio, 4),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny-qwen2 only, small batch: well under a minute")
@@ -126,9 +171,27 @@ def main() -> None:
             f"engine {r['engine_tokens_per_cpu_s']:.0f} tok/CPU-s, speed-up {r['speedup']:.2f}x "
             f"(wall clock: {r['hf_tokens_per_s']:.0f} vs {r['engine_tokens_per_s']:.0f} tok/s, {r['speedup_wall']:.2f}x)"
         )
+    requests = 48 if args.quick else 128
+    cont = bench_continuous(args.models[0], args.batch, requests, args.max_new_tokens * 2, args.repeats)
+    print(
+        f"{cont['model']:<12} long-tailed lengths ({cont['requests']} requests, {cont['slots']} slots): static "
+        f"batching {cont['static_tokens_per_cpu_s']:.0f} tok/CPU-s (padding {cont['static_padding_ratio']:.2f}), "
+        f"continuous {cont['continuous_tokens_per_cpu_s']:.0f} tok/CPU-s (padding "
+        f"{cont['continuous_padding_ratio']:.2f}), speed-up {cont['speedup']:.2f}x"
+    )
     load = os.getloadavg()[0]
     print(f"threads={args.threads}, load average {load:.2f} (the machine is shared; figures vary with load)")
-    print(json.dumps({"bench": "engine", "threads": args.threads, "load_avg_1m": round(load, 2), "results": results}))
+    print(
+        json.dumps(
+            {
+                "bench": "engine",
+                "threads": args.threads,
+                "load_avg_1m": round(load, 2),
+                "results": results,
+                "continuous_batching": cont,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

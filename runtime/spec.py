@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -117,6 +118,54 @@ class RolloutSpec(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     max_batch_size: int = Field(64, ge=1, le=100_000, description="Sequences decoded together by one engine.")
     max_batch_tokens: int = Field(16384, ge=16, description="Token budget of one engine batch.")
+    length_prediction: Literal["from_stats", "off"] = Field(
+        "from_stats",
+        description="Predict response lengths from history (per prompt, per task, prompt length) or assume the max.",
+    )
+    bucket_boundaries: list[int] | None = Field(
+        None, description="Predicted-length bucket edges (increasing); default: quantiles of observed lengths."
+    )
+    num_buckets: int = Field(4, ge=1, le=64, description="Buckets derived from observed length quantiles.")
+    mix_long_short: bool = Field(True, description="Mix long and short requests into balanced scheduling groups.")
+
+    @field_validator("max_batch_tokens")
+    @classmethod
+    def _budget_fits_one_sequence(cls, v: int, info: ValidationInfo) -> int:
+        max_new = info.data.get("max_new_tokens")
+        if max_new is not None and v < max_new + 1:
+            raise ValueError(f"{v} is smaller than one prompt token plus max_new_tokens ({max_new})")
+        return v
+
+    @field_validator("bucket_boundaries")
+    @classmethod
+    def _edges_increase(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or v[0] < 1 or any(b <= a for a, b in zip(v, v[1:], strict=False))):
+            raise ValueError(f"must be positive and strictly increasing, got {v}")
+        return v
+
+
+class RewardSpec(_Section):
+    url: str | None = Field(None, description="Remote reward endpoint (HTTP POST JSON); None: the task's verifier.")
+    timeout_s: float = Field(10.0, gt=0, le=3600, description="Per-request timeout of the reward service.")
+    max_retries: int = Field(2, ge=0, le=20, description="Retries of a failed reward request before it is dropped.")
+    backoff_s: float = Field(0.2, ge=0, le=60, description="First retry back-off; doubles per retry.")
+    concurrency: int = Field(8, ge=1, le=1024, description="Reward requests in flight at once.")
+    breaker_failures: int = Field(5, ge=1, le=1000, description="Consecutive failures that open the circuit breaker.")
+    breaker_cooldown_s: float = Field(5.0, ge=0, le=3600, description="Open-breaker wait before a half-open probe.")
+
+    @field_validator("url")
+    @classmethod
+    def _url_parses(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError as exc:
+            raise ValueError(f"{v!r} does not parse: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{v!r} does not parse as http(s)://host[:port]/path")
+        return v
 
 
 class PipelineSpec(_Section):
@@ -172,6 +221,7 @@ class RunSpec(_Section):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL objective.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Optimisation.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Generation.")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="Remote reward service (optional).")
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec, description="Scheduling of the roles.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Devices and processes.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and retention.")

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
-from runtime.rollout.engine import Completion, Engine, SamplingParams, sample_tokens
+from runtime.rollout.batcher import BatchStats, ContinuousBatcher
+from runtime.rollout.engine import Engine
+from runtime.rollout.sampling import Completion, SamplingParams, sample_tokens
 
 
 def sampling_params(rollout_spec: Any, n: int = 1, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
@@ -47,4 +49,13 @@ def build_engine(
     )
 
 
-__all__ = ["Completion", "Engine", "SamplingParams", "build_engine", "sample_tokens", "sampling_params"]
+__all__ = [
+    "BatchStats",
+    "Completion",
+    "ContinuousBatcher",
+    "Engine",
+    "SamplingParams",
+    "build_engine",
+    "sample_tokens",
+    "sampling_params",
+]

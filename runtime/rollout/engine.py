@@ -1,102 +1,41 @@
-"""The built-in generation engine: batched sampling with a KV cache over the trainer's own model.
+"""The built-in generation engine: continuous batching with a static KV cache over the trainer's own model.
 
-``Engine.generate`` expands each prompt ``n`` times, groups the sequences into batches (sorted by
-prompt length so left padding stays small), prefills each batch once and decodes one token per step
-until every row has hit a stop token or ``max_new_tokens``. Each completion carries its token ids,
-the log-probability of each token, the weight version that produced each token, and why it ended.
+``Engine.generate`` expands each prompt ``n`` times and feeds the sequences (shortest prompts first,
+so prompts prefilled together have similar lengths) through a
+:class:`~runtime.rollout.batcher.ContinuousBatcher`: up to ``max_batch_size`` sequences decode
+together, and a slot whose sequence hit a stop token or ``max_new_tokens`` is refilled with the next
+sequence at the next step. Each completion carries its token ids, the log-probability of each token
+(see :mod:`runtime.rollout.sampling`), the weight version that produced each token, and why it ended.
+``Engine.stream`` / ``ContinuousBatcher`` are the request-queue API for a caller that feeds requests
+as they come (a rollout instance fed by the scheduler).
 
-Log-probabilities are those of the temperature-scaled distribution ``softmax(logits / temperature)``
-*before* top-k / top-p truncation — exactly what the trainer recomputes with
-``token_logprobs(..., temperature=T)``, so engine and trainer are compared on the same math. With
-top-k/top-p the token was actually drawn from the renormalised truncated distribution; the difference
-is the truncation mass, which the trainer's off-policy correction treats like any other mismatch.
-Greedy decoding (``temperature=0``) reports temperature-1 log-probabilities.
-
-Weights change only at a batch boundary: ``update_weights`` called from another thread while a
-``generate`` is running is staged and applied before the next batch (the engine's *latest available*
-version becomes *current*), so every token of one batch comes from one version.
+Weights change at the next engine step: ``update_weights`` called from another thread while a step
+runs is staged and applied when that step ends (the *latest available* version becomes *current*),
+so in-flight sequences continue under the new weights and their later tokens record the new version.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from runtime.models.logprobs import logprobs_from_logits
+from runtime.rollout.batcher import BatchStats, ContinuousBatcher
 from runtime.rollout.runners import make_runner
+from runtime.rollout.sampling import Completion, SamplingParams, sample_tokens
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample. ``top_k=0`` and ``top_p=1`` switch those filters off; ``temperature=0`` is greedy."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_ids: tuple[int, ...] = ()
-    n: int = 1
-    ignore_eos: bool = False  # benchmarks: force exactly max_new_tokens tokens
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-
-
-@dataclass
-class Completion:
-    """One sampled response to prompt number ``prompt_index`` of the ``generate`` call."""
-
-    prompt_index: int
-    token_ids: list[int]  # includes the stop token when finish_reason == "stop"
-    logprobs: list[float]
-    versions: list[int]  # weight version that produced each token
-    finish_reason: str  # "stop" | "length"
-
-
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from ``logits [B, V]``; returns (tokens [B], logprobs [B]) — see module doc."""
-    logits = logits.float()
-    if params.temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, logprobs_from_logits(logits, tokens, 1.0)
-    scaled = logits / params.temperature if params.temperature != 1.0 else logits
-    logp = scaled.log_softmax(-1)
-    filtered = scaled
-    vocab = scaled.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logp.exp() if filtered is scaled else filtered.softmax(-1)
-    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws exactly from p in a few cheap ops
-    # (torch.multinomial and Tensor.exponential_ cost several times more per step on CPU).
-    race = torch.rand(probs.shape, generator=generator, device=probs.device).log_().neg_()
-    tokens = (probs / race).argmax(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+__all__ = ["BatchStats", "Completion", "ContinuousBatcher", "Engine", "SamplingParams", "sample_tokens"]
 
 
 class Engine:
-    """Generation over ``model`` (shared with the trainer when co-located) on ``device``."""
+    """Generation over ``model`` (shared with the trainer when co-located) on ``device``.
+
+    ``max_batch_size`` caps the sequences decoded together (KV-cache slots); ``max_batch_tokens``
+    caps the tokens they may reach together (prompt + ``max_new_tokens`` each). ``stats`` sums the
+    token accounting (padding ratio) of everything this engine generated.
+    """
 
     def __init__(
         self,
@@ -117,20 +56,24 @@ class Engine:
         self.version = version
         self.runner = make_runner(model)
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.stats = BatchStats()
         self._lock = threading.Lock()
-        self._busy = False
+        self._stepping = False
         self._pending: tuple[dict[str, torch.Tensor] | None, int] | None = None
+        self._weights_epoch = 0  # bumped by every applied update; the runner re-reads weights when it moves
+        self._loaded_epoch = -1  # the epoch the runner's fused weight copies were read at
+        self._cache_owner: ContinuousBatcher | None = None  # the batcher whose sequences the KV cache holds
 
     # ----- weights -------------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
         """Make ``version`` current: copy ``state_dict`` into the model (None: the model already holds it).
 
-        Applied at once when idle; during a ``generate`` it waits for the next batch boundary.
+        Applied at once between steps; during a step it is staged and applied when the step ends.
         """
         if state_dict is not None:
             self._check_keys(state_dict)
-        with self._lock:  # held while copying, so a generate cannot start on half-copied weights
-            if self._busy:
+        with self._lock:  # held while copying, so a step cannot start on half-copied weights
+            if self._stepping:
                 self._pending = (state_dict, version)
                 return
             self._apply(state_dict, version)
@@ -153,14 +96,42 @@ class Engine:
                 for name, tensor in state_dict.items():
                     params[name].copy_(tensor)
         self.version = version
+        self._weights_epoch += 1
 
-    def _apply_pending(self) -> None:
+    def _begin_step(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, None
-        if pending is not None:
-            self._apply(*pending)
+            if pending is not None:
+                self._apply(*pending)
+            self._stepping = True
+
+    def _end_step(self) -> None:
+        with self._lock:
+            self._stepping = False
+            pending, self._pending = self._pending, None
+            if pending is not None:  # arrived during the step: the next step runs on it
+                self._apply(*pending)
 
     # ----- generation ----------------------------------------------------------------------------
+    def batcher(
+        self, params: SamplingParams, generator: torch.Generator | None = None, refill: bool = True
+    ) -> ContinuousBatcher:
+        """A request queue over this engine: ``submit(prompt_ids, tag)``, then ``step()`` until ``idle``."""
+        return ContinuousBatcher(self, params, generator, refill=refill)
+
+    def stream(
+        self,
+        requests: Iterable[tuple[Any, list[int]]],
+        params: SamplingParams,
+        on_complete: Callable[[Any, Completion], None],
+        generator: torch.Generator | None = None,
+    ) -> BatchStats:
+        """Generate for ``(tag, prompt_ids)`` pairs pulled lazily from ``requests`` (as slots free up),
+        calling ``on_complete(tag, completion)`` as each finishes. Returns this call's token accounting."""
+        batcher = self.batcher(params, generator)
+        batcher.run(requests, on_complete)
+        return batcher.stats
+
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> list[Completion]:
@@ -171,21 +142,17 @@ class Engine:
         """
         self._check_prompts(prompt_ids, params)
         items = [i for i in range(len(prompt_ids)) for _ in range(params.n)]
-        with self._lock:
-            self._busy = True
-        try:
-            results: list[Completion | None] = [None] * len(items)
-            for batch in self._batches(items, prompt_ids, params):
-                self._apply_pending()  # batch boundary: the latest available weights become current
-                done = self._generate_batch([prompt_ids[items[j]] for j in batch], params, generator)
-                for j, (tokens, logprobs, reason) in zip(batch, done, strict=True):
-                    results[j] = Completion(items[j], tokens, logprobs, [self.version] * len(tokens), reason)
-        finally:
-            with self._lock:
-                self._busy = False
-                pending, self._pending = self._pending, None
-                if pending is not None:  # arrived during the last batch: apply it now, at this boundary
-                    self._apply(*pending)
+        order = sorted(range(len(items)), key=lambda j: len(prompt_ids[items[j]]))
+        results: list[Completion | None] = [None] * len(items)
+
+        def done(j: int, completion: Completion) -> None:
+            completion.prompt_index = items[j]
+            results[j] = completion
+
+        self._loaded_epoch = -1  # re-read: a co-located trainer may have changed the parameters in place
+        batcher = self.batcher(params, generator)
+        batcher.run(((j, prompt_ids[items[j]]) for j in order), done)
+        self.last_stats = batcher.stats
         return [c for c in results if c is not None]
 
     def _check_prompts(self, prompt_ids: list[list[int]], params: SamplingParams) -> None:
@@ -197,73 +164,3 @@ class Engine:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
             if len(ids) >= self.max_positions:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; the model takes at most {self.max_positions}")
-
-    def _batches(self, items: list[int], prompt_ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Indices into ``items`` grouped into batches by size and token budget, similar lengths together."""
-        order = sorted(range(len(items)), key=lambda j: len(prompt_ids[items[j]]))
-        batches: list[list[int]] = []
-        current: list[int] = []
-        longest = 0
-        for j in order:
-            length = len(prompt_ids[items[j]]) + params.max_new_tokens
-            widest = max(longest, length)
-            if current and (len(current) >= self.max_batch_size or widest * (len(current) + 1) > self.max_batch_tokens):
-                batches.append(current)
-                current, widest = [], length
-            current.append(j)
-            longest = widest
-        if current:
-            batches.append(current)
-        return batches
-
-    @torch.inference_mode()
-    def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
-    ) -> list[tuple[list[int], list[float], str]]:
-        dev = self.device
-        bsz, plen = len(prompts), max(len(p) for p in prompts)
-        max_new = min(params.max_new_tokens, self.max_positions - plen)
-        pad = self.tokenizer.pad_id
-        ids = torch.full((bsz, plen), pad, dtype=torch.long)
-        key_valid = torch.zeros((bsz, plen + max_new), dtype=torch.bool)
-        for r, p in enumerate(prompts):  # left padding: every prompt ends at column plen - 1
-            ids[r, plen - len(p) :] = torch.tensor(p)
-            key_valid[r, plen - len(p) : plen] = True
-        ids, key_valid = ids.to(dev), key_valid.to(dev)
-        positions = (key_valid[:, :plen].long().cumsum(-1) - 1).clamp(min=0)
-        next_pos = key_valid[:, :plen].sum(-1)
-        stops = set(params.stop_ids)
-        if not params.ignore_eos:
-            stops.add(self.tokenizer.eos_id)
-        stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=dev)
-
-        out_tokens = torch.full((bsz, max_new), pad, dtype=torch.long, device=dev)
-        out_logprobs = torch.zeros((bsz, max_new), dtype=torch.float32, device=dev)
-        finished = torch.zeros(bsz, dtype=torch.bool, device=dev)
-        stopped = torch.zeros(bsz, dtype=torch.bool, device=dev)
-        lengths = torch.full((bsz,), max_new, dtype=torch.long, device=dev)
-
-        was_training = self.model.training
-        self.model.eval()  # no dropout while sampling; restored for a co-located trainer
-        try:
-            self.runner.start(bsz, plen + max_new, dev)
-            logits = self.runner.prefill(ids, positions, key_valid)
-            for t in range(max_new):
-                tokens, logprobs = sample_tokens(logits, params, generator)
-                tokens = tokens.masked_fill(finished, pad)
-                out_tokens[:, t] = tokens
-                out_logprobs[:, t] = logprobs
-                hit = torch.isin(tokens, stop_ids) & ~finished
-                lengths = torch.where(hit, t + 1, lengths)
-                stopped |= hit
-                finished |= hit
-                if t + 1 == max_new or bool(finished.all()):
-                    break
-                key_valid[:, plen + t] = True
-                logits = self.runner.decode(tokens, next_pos, key_valid, plen + t)
-                next_pos = next_pos + 1
-        finally:
-            self.model.train(was_training)
-
-        toks, lps, lens, stp = out_tokens.tolist(), out_logprobs.tolist(), lengths.tolist(), stopped.tolist()
-        return [(toks[r][: lens[r]], lps[r][: lens[r]], "stop" if stp[r] else "length") for r in range(bsz)]

@@ -1,17 +1,25 @@
-"""Forward passes for the generation engine: prefill a left-padded batch, then decode one token per step.
+"""Forward passes for the generation engine over a fixed set of *slots* (rows of a static KV cache).
 
-Two runners share one interface (``start``, ``prefill``, ``decode``):
+Each slot holds one sequence whose token ``j`` lives at cache column ``j`` and has position ``j``, so
+sequences of different lengths share one cache without padding, and a slot whose sequence
+finished is refilled with a new prompt (continuous batching) without touching the others. Two runners
+share one interface:
 
-- :class:`FastRunner`, for Llama-family models (``llama``, ``qwen2``): the same parameters and the
-  same math as the model's modules (RMSNorm, rotary tables from the model's own module, q/k/v/o,
-  gated MLP, lm_head), written as a lean loop: a preallocated static KV cache, q/k/v and gate/up each
-  one matmul, masks built once per step, no per-step module dispatch. That skips what makes
-  ``model.generate()`` slow on small models — per-step mask construction, cache concatenation,
-  logits processors — and log-probabilities still agree with the trainer's to float rounding.
-- :class:`HFRunner`, for any other causal LM: the model's full forward with a transformers DynamicCache.
+- ``allocate(slots, max_len, device)`` sizes the cache; ``grow(max_len)`` widens it keeping contents.
+- ``load_weights()`` reads the model's current parameters (after a weight update).
+- ``prefill(prompts, slots, pad)`` writes the prompts into ``slots`` at columns [0, len) and returns
+  each prompt's next-token logits ``[n, V]`` and the token positions it computed (padding included).
+- ``decode(tokens [b], cols [b])`` writes token ``r`` at column ``cols[r]`` of slot ``r`` for slots
+  ``0..b-1`` and returns next-token logits ``[b, V]``; a slot attends to columns ``<= cols[r]``.
+- ``move(src, dst)`` copies a slot's cache to another slot (compaction).
 
-Masks are per row (``key_valid [B, S]``) and positions are per row, so a later continuous-batching
-engine can refill a finished row with a new prompt without changing the runners.
+:class:`FastRunner`, for Llama-family models (``llama``, ``qwen2``), uses the same parameters and math
+as the model's modules (RMSNorm, rotary tables from the model's own module, q/k/v/o, gated MLP,
+lm_head) as a lean loop: q/k/v and gate/up each one matmul, one additive mask per step, no per-step
+module dispatch. That skips what makes ``model.generate()`` slow on small models — per-step mask
+construction, cache concatenation, logits processors — and log-probabilities agree with the
+trainer's to float rounding. :class:`HFRunner`, for any other causal LM, runs the model's own forward
+with one transformers DynamicCache per slot (slower, always correct).
 """
 
 from __future__ import annotations
@@ -44,13 +52,17 @@ class _Layer:
         self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         self.gate_up_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
-        self.act = mlp.act_fn
+        # The module call costs more than SiLU itself on small batches; call the function directly.
+        self.act = F.silu if isinstance(mlp.act_fn, torch.nn.SiLU) else mlp.act_fn
 
 
 def _rms_norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
     # The transformers Llama/Qwen2 RMSNorm: normalise in float32, cast back, then scale.
     weight, eps = weight_eps
-    xf = x.float()  # a no-op in float32; written out because it beats F.rms_norm on small CPU batches
+    # Written out because it beats F.rms_norm on small CPU batches; the casts are skipped in float32.
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -61,15 +73,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class FastRunner:
-    """Static-KV-cache decode loop over a Llama-family model's parameters.
+    """Static-KV-cache slots over a Llama-family model's parameters.
 
-    It reads the model's parameters at every ``start`` (a batch boundary), concatenating q/k/v and
-    gate/up weights so a layer costs four matmuls; the rotary embedding is the model's own module,
-    evaluated once per batch for every position. Nothing is cached across batches, so a co-located
-    trainer's in-place updates are picked up at the next batch.
+    The fused q/k/v and gate/up weights are copies, so :meth:`load_weights` must run after the
+    model's parameters change (the engine calls it whenever its weight version moves).
     """
 
     name = "fast"
+    uses_modules = False  # pure functions of the weights: no dropout, train/eval mode does not matter
 
     def __init__(self, model: Any):
         self.model = model
@@ -84,6 +95,7 @@ class FastRunner:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)
+        self.max_len = 0
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -110,33 +122,71 @@ class FastRunner:
             and all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         )
 
-    def start(self, batch: int, max_len: int, device: torch.device) -> None:
-        """Read the current weights and allocate the static cache for ``batch`` rows of ``max_len`` tokens."""
+    @torch.inference_mode()  # the fused copies must not be autograd tensors: that slows every matmul
+    def load_weights(self) -> None:
+        """Read the model's current parameters (fusing q/k/v and gate/up)."""
         base = self.model.base_model
         self.embed = base.embed_tokens.weight
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.lm_head = self.model.lm_head
+        self.lm_head = (self.model.lm_head.weight, self.model.lm_head.bias)
         self.layers = [_Layer(layer) for layer in base.layers]
+
+    def allocate(self, slots: int, max_len: int, device: torch.device) -> None:
+        """A cache of ``slots`` rows by at least ``max_len`` columns, and rotary tables for every position.
+
+        The previous cache is reused when it is big enough: its stale contents are finite and every
+        read is masked to columns the new sequences wrote.
+        """
+        if not self.layers:
+            self.load_weights()
+        if (
+            self.k_cache
+            and self.k_cache[0].shape[0] == slots
+            and self.max_len >= max_len
+            and self.k_cache[0].device == torch.device(device)
+            and self.k_cache[0].dtype == self.embed.dtype
+        ):
+            return
         dtype = self.embed.dtype
-        shape = (batch, self.n_kv, max_len, self.head_dim)
-        self.k_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        # cos/sin for every position once per batch; decode steps index into the table.
+        shape = (slots, self.n_kv, max_len, self.head_dim)
+        # Zeros, not empty: masked-out columns still enter attention's probability x value product
+        # (with weight 0), and 0 x a NaN left in uninitialised memory would be NaN.
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self._rotary(max_len, device)
+
+    def _rotary(self, max_len: int, device: torch.device) -> None:
+        base = self.model.base_model
         positions = torch.arange(max_len, device=device)[None]
-        cos, sin = base.rotary_emb(torch.empty(1, 1, 1, dtype=dtype, device=device), positions)
+        cos, sin = base.rotary_emb(torch.empty(1, 1, 1, dtype=self.embed.dtype, device=device), positions)
         if cos.shape[-1] != self.head_dim:
             raise ValueError(f"partial rotary embeddings ({cos.shape[-1]} of {self.head_dim} dims) are not supported")
         self.cos, self.sin = cos[0], sin[0]
+        self.columns = torch.arange(max_len, device=device)
+        self.kv_heads = torch.arange(self.n_kv, device=device)
+        self.max_len = max_len
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, col: int) -> torch.Tensor:
-        """Run ``ids [B, T]`` written at cache columns [col, col+T); ``mask [B, 1, T, col+T]`` (True = attend)."""
+    def grow(self, max_len: int) -> None:
+        """Widen the cache to ``max_len`` columns, keeping what the slots hold."""
+        if max_len <= self.max_len:
+            return
+        extra = max_len - self.max_len
+        for caches in (self.k_cache, self.v_cache):
+            for i, c in enumerate(caches):
+                caches[i] = torch.cat([c, c.new_zeros(c.shape[0], c.shape[1], extra, c.shape[3])], dim=2)
+        self._rotary(max_len, self.k_cache[0].device)
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s cache into slot ``dst`` (compaction: the caller then treats ``src`` as free)."""
+        for caches in (self.k_cache, self.v_cache):
+            for c in caches:
+                c[dst].copy_(c[src])
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Hidden states after the last layer for ``ids [B, T]``; ``attend(i, q, k, v)`` stores k/v, returns o."""
         bsz, t = ids.shape
-        end = col + t
         h = F.embedding(ids, self.embed)
-        # An additive float mask takes a faster CPU attention kernel than a boolean one; built once per step.
-        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # [B, T, 1, head_dim]
-        gqa = self.n_kv != self.n_heads
         nq, nqk = self.n_heads, self.n_heads + self.n_kv
         for i, w in enumerate(self.layers):
             qkv = F.linear(_rms_norm(h, w.ln1), w.qkv_w, w.qkv_b).view(bsz, t, nqk + self.n_kv, self.head_dim)
@@ -144,65 +194,140 @@ class FastRunner:
             q = qk[:, :, :nq].transpose(1, 2)
             k = qk[:, :, nq:].transpose(1, 2)
             v = qkv[:, :, nqk:].transpose(1, 2)
-            self.k_cache[i][:, :, col:end] = k
-            self.v_cache[i][:, :, col:end] = v
-            o = F.scaled_dot_product_attention(
-                q,
-                self.k_cache[i][:, :, :end],
-                self.v_cache[i][:, :, :end],
-                attn_mask=bias,
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
+            o = attend(i, q, k, v, bias)
             h = h + F.linear(o.transpose(1, 2).reshape(bsz, t, -1), w.o_w, w.o_b)
             gate, up = F.linear(_rms_norm(h, w.ln2), w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
             h = h + F.linear(w.act(gate) * up, w.down_w, w.down_b)
-        return self.lm_head(_rms_norm(h[:, -1], self.norm))
+        return h
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-        """Left-padded prompts ``ids [B, P]`` -> next-token logits [B, V]."""
-        p = ids.shape[1]
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
-        mask = causal[None, None] & key_valid[:, None, None, :p]
-        # A padding query would attend to nothing (NaN); let it see itself — its output is never used.
-        mask |= torch.eye(p, dtype=torch.bool, device=ids.device)[None, None]
-        return self._forward(ids, positions, mask, 0)
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
+        )
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, col: int) -> torch.Tensor:
-        """One new token per row ``tokens [B]`` at cache column ``col`` -> logits [B, V]."""
-        mask = key_valid[:, None, None, : col + 1]
-        return self._forward(tokens[:, None], positions[:, None], mask, col)
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(h, self.norm), *self.lm_head)
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> tuple[torch.Tensor, int]:
+        """Prompts written into ``slots`` at columns [0, len) -> (next-token logits [n, V], positions computed).
+
+        No padding: prompts are packed into rows with a block-diagonal causal mask. A packed row attends
+        across all of its tokens, so rows are cut at about ``6 x hidden`` tokens — where the attention
+        work of a row stays below the work of its linear layers (per position, q/k/v/o and the MLP cost
+        about 12 hidden^2 multiply-adds; a query-key pair about 2 hidden).
+        """
+        limit = max(6 * self.embed.shape[1], max(map(len, prompts)))
+        logits, chunk, start = [], 0, 0
+        for end in range(1, len(prompts) + 1):
+            chunk += len(prompts[end - 1])
+            nxt = len(prompts[end]) if end < len(prompts) else limit + 1
+            if chunk + nxt > limit:
+                logits.append(self._prefill_packed(prompts[start:end], slots[start:end]))
+                chunk, start = 0, end
+        return torch.cat(logits), sum(map(len, prompts))
+
+    def _prefill_packed(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        device = self.k_cache[0].device
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
+        pos = torch.cat([self.columns[:n] for n in lengths])
+        seg = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device))
+        keep = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+        bias = torch.zeros(keep.shape, dtype=self.embed.dtype, device=device).masked_fill_(~keep, float("-inf"))
+        rows = torch.tensor(slots, device=device)[seg]
+        flat = ((rows[:, None] * self.n_kv + self.kv_heads[None]) * self.max_len + pos[:, None]).reshape(-1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            for cache, new in ((self.k_cache[i], k), (self.v_cache[i], v)):  # new: [1, n_kv, T, head_dim]
+                cache.view(-1, self.head_dim).index_copy_(0, flat, new[0].transpose(0, 1).reshape(-1, self.head_dim))
+            return self._sdpa(q, k, v, bias)
+
+        h = self._forward(ids, pos[None], bias[None, None], attend)
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1
+        return self._logits(h[0, last])
+
+    def decode(self, tokens: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Token ``tokens[r]`` at column ``cols[r]`` of slot ``r`` (slots 0..b-1) -> logits [b, V]."""
+        b = tokens.shape[0]
+        end = int(cols.max()) + 1
+        rows = torch.arange(b, device=tokens.device)
+        keep = self.columns[None, :end] <= cols[:, None]
+        bias = torch.zeros(keep.shape, dtype=self.embed.dtype, device=tokens.device).masked_fill_(~keep, float("-inf"))
+
+        groups = self.n_heads // self.n_kv
+
+        # Row r's kv heads go to flat cache rows ((r * n_kv + head) * max_len + cols[r]): one index_copy_
+        # per cache and layer, cheaper than advanced-index assignment.
+        flat = ((rows[:, None] * self.n_kv + self.kv_heads[None]) * self.max_len + cols[:, None]).reshape(-1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            self.k_cache[i].view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
+            self.v_cache[i].view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
+            # One query per row: fold the query heads that share a kv head into the query-length axis,
+            # so attention reads the cache as it is instead of expanding it to every query head.
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, self.n_kv, groups, self.head_dim),
+                self.k_cache[i][:b, :, :end],
+                self.v_cache[i][:b, :, :end],
+                attn_mask=bias,
+                scale=self.scale,
+            )
+            return o.reshape(b, self.n_heads, 1, self.head_dim)
+
+        h = self._forward(tokens[:, None], cols[:, None], bias[:, None, None], attend)
+        return self._logits(h[:, 0])
 
 
 class HFRunner:
-    """Any transformers causal LM through its own forward and a DynamicCache (slower, always correct)."""
+    """Any transformers causal LM through its own forward, one DynamicCache per slot (slow, always correct)."""
 
     name = "hf"
+    uses_modules = True  # the model's own forward: must run in eval mode (no dropout)
 
     def __init__(self, model: Any):
         self.model = model
         # transformers 5 renamed `past_key_values` to `cache`; pass whichever this version takes.
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.cache: Any = None
+        self.caches: list[Any] = []
+        self.device = torch.device("cpu")
 
-    def start(self, batch: int, max_len: int, device: torch.device) -> None:
+    def load_weights(self) -> None:
+        """Nothing to do: the model's own forward always reads its current parameters."""
+
+    def allocate(self, slots: int, max_len: int, device: torch.device) -> None:
+        self.caches = [None] * slots
+        self.device = device
+
+    def grow(self, max_len: int) -> None:
+        """Dynamic caches grow by themselves."""
+
+    def move(self, src: int, dst: int) -> None:
+        self.caches[dst], self.caches[src] = self.caches[src], None
+
+    def _run(self, slot: int, ids: list[int], start: int) -> torch.Tensor:
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        mask = torch.ones((1, start + len(ids)), dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=ids_t, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{self.cache_kw: self.caches[slot]},
+        )  # fmt: skip
+        return out.logits[0, -1]
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> tuple[torch.Tensor, int]:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        for s in slots:
+            self.caches[s] = DynamicCache(config=self.model.config)
+        logits = torch.stack([self._run(s, p, 0) for p, s in zip(prompts, slots, strict=True)])
+        return logits, sum(map(len, prompts))  # one prompt at a time: no padding
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attention_mask.long(),
-            position_ids=positions,
-            use_cache=True,
-            **{self.cache_kw: self.cache},
-        )
-        return out.logits[:, -1]
-
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-        return self._run(ids, positions, key_valid[:, : ids.shape[1]])
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor, col: int) -> torch.Tensor:
-        return self._run(tokens[:, None], positions[:, None], key_valid[:, : col + 1])
+    def decode(self, tokens: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        out = []
+        for r, (tok, col) in enumerate(zip(tokens.tolist(), cols.tolist(), strict=True)):
+            if self.caches[r] is None or self.caches[r].get_seq_length() != col:
+                out.append(torch.zeros(self.model.config.vocab_size, device=self.device))  # an idle slot
+                continue
+            out.append(self._run(r, [tok], col))
+        return torch.stack(out)

@@ -112,15 +112,23 @@ def test_top_p_tiny_equals_greedy(engine, policy):
     assert as_tuples(nucleus) == as_tuples(greedy)
 
 
+def one_by_one_steps(ids, params):
+    """Steps of sequential generation, eos ignored: ``max_new_tokens`` steps per sequence, less one for
+    each refill (the step that finishes a sequence also prefills the next)."""
+    seqs = len(ids) * params.n
+    return seqs * params.max_new_tokens - (seqs - 1)
+
+
 def test_batching_and_padding_do_not_change_greedy_output(policy):
     model, tok = policy
     ids = prompt_ids(tok)
     params = SamplingParams(12, temperature=0, ignore_eos=True)
     together = Engine(model, tok, "cpu").generate(ids, params)
     one_by_one = Engine(model, tok, "cpu", max_batch_size=1).generate(ids, params)
-    budget = Engine(model, tok, "cpu", max_batch_tokens=1)
-    assert [len(b) for b in budget._batches([0, 1, 2, 3], ids, params)] == [1, 1, 1, 1]
-    assert as_tuples(together) == as_tuples(one_by_one) == as_tuples(budget.generate(ids, params))
+    budget = Engine(model, tok, "cpu", max_batch_tokens=1)  # below one sequence: one at a time
+    by_budget = budget.generate(ids, params)
+    assert budget.last_stats.steps == one_by_one_steps(ids, params)
+    assert as_tuples(together) == as_tuples(one_by_one) == as_tuples(by_budget)
     for a, b in zip(together, one_by_one, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
@@ -199,23 +207,25 @@ def test_bad_weight_update_is_rejected_and_changes_nothing(policy):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_update_during_generate_waits_for_the_batch_boundary(policy):
+def test_update_during_generate_is_taken_at_the_next_step(policy):
     model, tok = policy
     engine = Engine(model, tok, "cpu", max_batch_size=1)
-    original_start = engine.runner.start
+    original_decode = engine.runner.decode
     calls = []
 
-    def start_and_publish(*args):
+    def decode_and_publish(*args):
         calls.append(engine.version)
-        if len(calls) == 1:  # a publish arriving while batch 1 runs (co-located: no copy, version only)
+        if len(calls) == 2:  # a publish arriving mid-step (co-located: no copy, version only)
             engine.update_weights(None, version=9)
-            assert engine.version == 0  # staged, not applied mid-batch
-        original_start(*args)
+            assert engine.version == 0  # staged, not applied inside the step
+        return original_decode(*args)
 
-    engine.runner.start = start_and_publish
-    out = engine.generate(prompt_ids(tok)[:2], SamplingParams(6, temperature=0))
-    assert calls == [0, 9]
-    assert [set(c.versions) for c in out] == [{0}, {9}]
+    engine.runner.decode = decode_and_publish
+    out = engine.generate(prompt_ids(tok)[:2], SamplingParams(6, temperature=0, ignore_eos=True))
+    # Sequence 0: token 1 from the prefill step, tokens 2-3 from the decodes that ran under version 0
+    # (the update arrived inside the second), tokens 4-6 under version 9; sequence 1 entirely under 9.
+    assert calls == [0, 0, 9, 9, 9, 9, 9, 9, 9, 9]
+    assert [c.versions for c in out] == [[0, 0, 0, 9, 9, 9], [9] * 6]
     assert engine.version == 9
 
 
