@@ -1,18 +1,22 @@
 """Load test of the control plane's REST API against the real ASGI server and PostgreSQL.
 
-    DATABASE_URL=postgres://... .venv/bin/python bench/api_load.py [--quick] [--workers 1]
+    DATABASE_URL=postgres://... .venv/bin/python bench/api_load.py [--quick] [--workers 2] [--compare-pool]
 
 What it does:
 1. migrates the database in DATABASE_URL and seeds its own team, user, API
    token, CPU resource group (16 hosts x 8 devices), experiment and runs
    (names carry a per-run tag; everything it made is deleted at the end);
-2. starts uvicorn on ``rlplatform.asgi:application`` as a subprocess
-   (``--workers 1`` by default: one process, Django's sync views in threads;
-   on 2 cores a second worker competes with PostgreSQL and the load generator);
+2. starts uvicorn on ``rlplatform.asgi:application`` as a subprocess with
+   ``--workers`` processes (default 2, one per core of the dev machine; Django's
+   sync views run in threads, each request taking a connection from the
+   per-process pool of DATABASE_POOL);
 3. measures, with a small asyncio HTTP/1.1 client on keep-alive connections:
    - run-status reads (GET /api/runs/{id}/) at 1, 8 and 32 concurrent clients
      (closed loop), then at a fixed 200 requests/s (open loop: latency counts
-     from each request's scheduled start, so a stall cannot hide);
+     from each request's scheduled start, so a stall cannot hide), reporting
+     the achieved rate, p50 and p99; with ``--compare-pool`` the same
+     fixed-rate phase again against a server with DATABASE_POOL=false (and
+     DATABASE_CONN_MAX_AGE=0: a connect per request), side by side;
    - submits (POST /api/runs/, each with its own submission_id) at 1, 8, 32
      concurrent clients; every submit runs an admission pass, and the group
      fills after 128 devices, so later submits re-evaluate a growing queue;
@@ -202,19 +206,27 @@ async def fixed_rate(
             await conn.close()
             idle.put_nowait(conn)
 
+    last_answer = start
+
+    async def timed(i: int, scheduled: float) -> None:
+        nonlocal last_answer
+        await one(i, scheduled)
+        last_answer = max(last_answer, time.perf_counter())
+
     tasks = []
     for i in range(total):
         scheduled = start + i / rate
         delay = scheduled - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, scheduled)))
+        tasks.append(asyncio.create_task(timed(i, scheduled)))
     _done, pending = await asyncio.wait(tasks, timeout=grace_s)
     for task in pending:
         task.cancel()
     result.errors += len(pending)
     await asyncio.gather(*pending, return_exceptions=True)
-    result.elapsed_s = time.perf_counter() - start
+    # Up to the last answer, not the abandoned stragglers: throughput is the achieved rate.
+    result.elapsed_s = (last_answer - start) if result.latencies_s else time.perf_counter() - start
     for conn in connections:
         await conn.close()
     return result
@@ -306,7 +318,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, workers: int) -> subprocess.Popen:
+def start_server(port: int, workers: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -322,7 +334,49 @@ def start_server(port: int, workers: int) -> subprocess.Popen:
         "warning",
         "--no-access-log",
     ]
-    return subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy())
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def tree_cpu_s(root_pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by a process and its descendants (Linux /proc), or None."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent_of: dict[int, int] = {}
+    cpu_of: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parent_of[int(entry.name)] = int(fields[1])
+        cpu_of[int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    if root_pid not in cpu_of:
+        return None
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parent_of.items() if parent == pid]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(cpu_of[pid] for pid in tree)
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages: the machine is shared, so figures come with its load."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def wait_ready(port: int, token: str, run_id: int, timeout_s: float = 60.0) -> None:
@@ -418,7 +472,12 @@ def bench_admission(s: Seed, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short phases (under a minute in all)")
-    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default 1)")
+    parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes (default 2)")
+    parser.add_argument(
+        "--compare-pool",
+        action="store_true",
+        help="repeat the fixed-rate phase against a server without the pool (a connect per request), side by side",
+    )
     parser.add_argument("--rate", type=float, default=200.0, help="fixed rate of the status-read phase (req/s)")
     parser.add_argument("--admission-runs", type=int, default=1000, help="queued runs of the admission passes")
     args = parser.parse_args()
@@ -435,15 +494,23 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work: figures are indicative)",
         "server": f"uvicorn rlplatform.asgi:application, {args.workers} worker(s)",
         "quick": args.quick,
+        "database_pool": os.environ.get("DATABASE_POOL", "default (on for PostgreSQL)"),
+        "loadavg_start": loadavg(),
     }
+    print(f"load average at start: {figures['loadavg_start']} (1/5/15 min, {os.cpu_count()} cores)")
     try:
-        run_phases(s, tag, port, args, figures, phase_s, rate_s, levels)
+        run_phases(s, tag, port, server.pid, args, figures, phase_s, rate_s, levels)
+        if args.compare_pool:
+            stop_server(server)
+            port = free_port()
+            # Connect per request: persistent connections (CONN_MAX_AGE > 0) under ASGI stay open in
+            # each finished request thread until PostgreSQL runs out of slots for everyone.
+            server = start_server(port, args.workers, {"DATABASE_POOL": "false", "DATABASE_CONN_MAX_AGE": "0"})
+            summary = asyncio.run(fixed_rate_phase(s, port, args.rate, rate_s, server_pid=server.pid))
+            figures["status_reads"][f"fixed_{args.rate:g}rps_no_pool"] = summary
+            print(f"status reads at {args.rate:g}/s fixed rate, no pool: {fmt_fixed(summary)}")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         if figures.get("status_reads") is None:
             cleanup(s)  # the HTTP phases failed: leave nothing behind
     try:
@@ -462,11 +529,15 @@ def main() -> None:
         "reevaluate_1000_queued_lt_1s": adm["reevaluate_first_pass_s"] < 1.0,
         "admit_1000_in_one_pass_lt_1s": adm["admit_all_pass_s"] < 1.0,
     }
+    figures["loadavg_end"] = loadavg()
     print(f"targets: {figures['targets']}")
+    print(f"load average at end: {figures['loadavg_end']}")
     print(json.dumps(figures))
 
 
-def run_phases(s: Seed, tag: str, port: int, args, figures: dict, phase_s: float, rate_s: float, levels) -> None:
+def run_phases(
+    s: Seed, tag: str, port: int, server_pid: int, args, figures: dict, phase_s: float, rate_s: float, levels
+) -> None:
     wait_ready(port, s.token, s.status_run_id)
     headers = {"Authorization": f"Bearer {s.token}"}
     status_path = f"/api/runs/{s.status_run_id}/"
@@ -488,9 +559,9 @@ def run_phases(s: Seed, tag: str, port: int, args, figures: dict, phase_s: float
             r = await closed_loop("127.0.0.1", port, headers, read, c, phase_s)
             out["status_reads"][f"c{c}"] = r.summary()
             print(f"status reads, {c:>2} clients: {fmt(r.summary())}")
-        r = await fixed_rate("127.0.0.1", port, headers, read, args.rate, rate_s)
-        out["status_reads"][f"fixed_{args.rate:g}rps"] = r.summary()
-        print(f"status reads at {args.rate:g}/s fixed rate: {fmt(r.summary())}")
+        summary = await fixed_rate_phase(s, port, args.rate, rate_s, warm_up=False, server_pid=server_pid)
+        out["status_reads"][f"fixed_{args.rate:g}rps"] = summary
+        print(f"status reads at {args.rate:g}/s fixed rate: {fmt_fixed(summary)}")
         base = 0
         for c in levels:
             offset = base
@@ -505,6 +576,41 @@ def run_phases(s: Seed, tag: str, port: int, args, figures: dict, phase_s: float
         return out
 
     figures.update(asyncio.run(phases()))
+
+
+async def fixed_rate_phase(
+    s: Seed, port: int, rate: float, duration_s: float, *, warm_up: bool = True, server_pid: int | None = None
+) -> dict:
+    """Run-status reads at a fixed rate; the summary adds the target and achieved rates
+    (and the server's CPU per request, given its pid)."""
+    if warm_up:
+        await asyncio.to_thread(wait_ready, port, s.token, s.status_run_id)
+    headers = {"Authorization": f"Bearer {s.token}"}
+    path = f"/api/runs/{s.status_run_id}/"
+
+    def read(_i: int):
+        return "GET", path, None
+
+    if warm_up:
+        await closed_loop("127.0.0.1", port, headers, read, 4, 1.0)
+    cpu_before = tree_cpu_s(server_pid) if server_pid else None
+    summary = (await fixed_rate("127.0.0.1", port, headers, read, rate, duration_s)).summary()
+    cpu_after = tree_cpu_s(server_pid) if server_pid else None
+    if cpu_before is not None and cpu_after is not None and summary["requests"]:
+        # The uvicorn processes only, not PostgreSQL's backends: what one read costs the server.
+        summary["server_cpu_ms_per_request"] = round((cpu_after - cpu_before) * 1000 / summary["requests"], 2)
+    summary["target_rps"] = rate
+    summary["achieved_rps"] = summary["throughput_rps"]
+    return summary
+
+
+def fmt_fixed(summary: dict) -> str:
+    cpu = summary.get("server_cpu_ms_per_request")
+    return (
+        f"achieved {summary['achieved_rps']} of {summary['target_rps']:g} req/s  p50 {summary['p50_ms']} ms  "
+        f"p99 {summary['p99_ms']} ms  n={summary['requests']} errors={summary['errors']} statuses={summary['statuses']}"
+        + (f"  server CPU {cpu} ms/request" if cpu is not None else "")
+    )
 
 
 def fmt(summary: dict) -> str:

@@ -5,13 +5,18 @@ so concurrent submits and releases are serialised and can never over-allocate
 a device or exceed a quota. The partial unique constraint on active
 allocations per device is the database's own backstop.
 
-Order: effective priority (the run's, else its quota's) descending, then
+Order: effective priority descending — the run's own priority capped at its
+quota's (a submitter may lower a run's priority, never lift it above what the
+platform administrators granted the quota), else the quota's — then
 submission time, then id. A run is admitted only when its quota (budget,
 concurrent runs, devices, rollout workers) and the group's free healthy
 devices on online hosts allow all of its devices at once; devices are chosen
-by jobs.placement. Every run left queued gets its reason and its 1-based
-position, written in bulk and only where they changed, so a pass over a
-thousand queued runs is a handful of queries.
+by jobs.placement. Decisions are made in memory, then written in bulk under
+the same locks: one conditional UPDATE moves the admitted runs from QUEUED,
+one INSERT creates their allocations, and one UPDATE stores the reason and
+1-based position of every run left queued (only where they changed). So a
+pass over a thousand queued runs is a handful of queries, whether it admits
+none of them or all.
 
 Unless ``TANDEM_ADMISSION_BACKFILL`` is on, the first run that fits its quota
 but finds too few free devices holds back every run after it in the group,
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Least
 from django.utils import timezone
 
 from jobs import accounting, placement
@@ -68,18 +73,20 @@ def _usage(quotas: dict[int, Quota], now: datetime.datetime) -> dict[int, _Usage
     return usage
 
 
-def _free_devices(group_id: int) -> tuple[dict[int, list[int]], dict[int, str | None], int]:
-    """Free devices by host, each host's switch, and how many devices could ever be scheduled."""
+def _free_devices(group_id: int) -> tuple[dict[int, list[int]], dict[int, int], dict[int, str | None], int]:
+    """Free devices by host, each free device's host, each host's switch, and how many could ever be scheduled."""
     schedulable = Device.objects.filter(host__group_id=group_id, healthy=True, host__status=HostStatus.ONLINE)
     busy = Allocation.objects.active().values("device_id")
     free_by_host: dict[int, list[int]] = {}
+    host_of: dict[int, int] = {}
     switch_of: dict[int, str | None] = {}
     rows = schedulable.exclude(pk__in=busy).order_by("host_id", "index").values_list("pk", "host_id", "host__labels")
     for device_id, host_id, labels in rows:
         free_by_host.setdefault(host_id, []).append(device_id)
+        host_of[device_id] = host_id
         switch = (labels or {}).get("switch") if isinstance(labels, dict) else None
         switch_of[host_id] = str(switch) if switch not in (None, "") else None
-    return free_by_host, switch_of, schedulable.count()
+    return free_by_host, host_of, switch_of, schedulable.count()
 
 
 def _quota_reason(quota: Quota, usage: _Usage, need: int, workers: int) -> str | None:
@@ -101,7 +108,11 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
     queued = (
         Run.objects.queued()
         .filter(experiment__group_id=group.pk)
-        .annotate(effective_priority=Coalesce("priority", "experiment__quota__priority"))
+        .annotate(
+            effective_priority=Least(
+                Coalesce("priority", "experiment__quota__priority"), F("experiment__quota__priority")
+            )
+        )
         .order_by(F("effective_priority").desc(), "submitted_at", "pk")
         .values_list("pk", "experiment__quota_id", "devices_requested", "rollout_workers", "reason", "queue_position")
     )
@@ -109,12 +120,14 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
     if not rows:
         return []
     usage = _usage(quotas, now)
-    free_by_host, switch_of, schedulable = _free_devices(group.pk)
+    free_by_host, host_of, switch_of, schedulable = _free_devices(group.pk)
     free_count = sum(len(devices) for devices in free_by_host.values())
     backfill = settings.TANDEM_ADMISSION_BACKFILL
 
-    admitted: list[int] = []
-    new_allocations: list[Allocation] = []
+    # Admissions are decided in memory and written together after the loop: one conditional
+    # UPDATE for the runs' states, one INSERT for their allocations (the group lock keeps
+    # the decisions true until commit).
+    chosen_for: dict[int, list[int]] = {}
     changed: list[tuple[int, str, int]] = []
     held_back_by: int | None = None
     position = 0
@@ -134,31 +147,53 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
             if chosen is None:
                 reason = f"no free {group.kind} devices in group {group.name} (need {need}, free {free_count})"
                 held_back_by = held_back_by or run_id
-            elif Run.objects.filter(pk=run_id, state=RunState.QUEUED).update(
-                state=RunState.ADMITTED, reason="", queue_position=None, admitted_at=now, updated_at=now
-            ):
-                taken = set(chosen)
-                for host_id in list(free_by_host):
-                    free_by_host[host_id] = [d for d in free_by_host[host_id] if d not in taken]
+            else:
+                placement.take(free_by_host, host_of, chosen)
                 free_count -= need
-                new_allocations.extend(
-                    Allocation(run_id=run_id, device_id=d, created_at=now, accounted_until=now) for d in chosen
-                )
+                chosen_for[run_id] = chosen
                 usage[quota_id].devices += need
                 usage[quota_id].runs += 1
                 usage[quota_id].rollout_workers += workers
-                admitted.append(run_id)
                 continue
-            else:
-                continue  # no longer queued (cancelled meanwhile): skip without a position
         position += 1
         if reason != old_reason or position != old_position:
             changed.append((run_id, reason, position))
-    if new_allocations:
-        Allocation.objects.bulk_create(new_allocations)
+    admitted = _mark_admitted(list(chosen_for), now) if chosen_for else []
+    if admitted:
+        Allocation.objects.bulk_create(
+            Allocation(run_id=run_id, device_id=device_id, created_at=now, accounted_until=now)
+            for run_id in admitted
+            for device_id in chosen_for[run_id]
+        )
     if changed:
         _write_queue_state(changed)
     return admitted
+
+
+def _mark_admitted(run_ids: list[int], now: datetime.datetime) -> list[int]:
+    """Move the runs from QUEUED to ADMITTED in one conditional UPDATE; return those that moved, in order.
+
+    A run that is no longer QUEUED (moved by someone not holding the group
+    lock) keeps its state and gets no allocation; its devices stay free for
+    the next pass, which is the safe side.
+    """
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f'UPDATE "{Run._meta.db_table}" SET "state" = %s, "reason" = \'\', "queue_position" = NULL, '
+                '"admitted_at" = %s, "updated_at" = %s WHERE "id" = ANY(%s::bigint[]) AND "state" = %s RETURNING "id"',
+                [RunState.ADMITTED.value, now, now, run_ids, RunState.QUEUED.value],
+            )
+            moved = {row[0] for row in cursor.fetchall()}
+        return [run_id for run_id in run_ids if run_id in moved]
+    # Elsewhere (SQLite, the single-machine demo: small queues) one conditional UPDATE per run.
+    return [
+        run_id
+        for run_id in run_ids
+        if Run.objects.filter(pk=run_id, state=RunState.QUEUED).update(
+            state=RunState.ADMITTED, reason="", queue_position=None, admitted_at=now, updated_at=now
+        )
+    ]
 
 
 def _write_queue_state(changed: list[tuple[int, str, int]]) -> None:

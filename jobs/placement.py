@@ -6,7 +6,7 @@ database. Ties are broken by host order (pk), so placement is deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 
 def place(
@@ -60,3 +60,14 @@ def _fill(need: int, hosts: Sequence[int], free_by_host: Mapping[int, Sequence[i
         if len(chosen) == need:
             break
     return chosen
+
+
+def take(free_by_host: MutableMapping[int, list[int]], host_of: Mapping[int, int], chosen: Sequence[int]) -> None:
+    """Remove ``chosen`` devices from ``free_by_host``, in place (``host_of``: device id -> host id).
+
+    Touches only the hosts of the chosen devices, so a pass admitting many
+    small runs stays linear in the devices it hands out.
+    """
+    taken = set(chosen)
+    for host_id in {host_of[d] for d in taken}:
+        free_by_host[host_id] = [d for d in free_by_host[host_id] if d not in taken]

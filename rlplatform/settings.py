@@ -100,16 +100,45 @@ if _default_db["ENGINE"].endswith("sqlite3"):
     _default_db.setdefault("OPTIONS", {}).update(
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
     )
-# Persistent connections save a connect per request; health checks drop dead ones.
-_default_db["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
-_default_db["CONN_HEALTH_CHECKS"] = True
+# Under ASGI every sync request runs in a thread of its own, so thread-local persistent
+# connections are never reused: on PostgreSQL a connection pool (psycopg_pool, per process)
+# hands each request a warm connection instead of a new connect and backend fork.
+_is_postgres = _default_db["ENGINE"].endswith("postgresql")
+DATABASE_POOL = env_bool("DATABASE_POOL", _is_postgres)
+DATABASE_POOL_MIN = env_int("DATABASE_POOL_MIN", 2, minimum=0)
+DATABASE_POOL_MAX = env_int("DATABASE_POOL_MAX", 16, minimum=1)
+DATABASE_POOL_TIMEOUT_S = env_float("DATABASE_POOL_TIMEOUT_S", 10.0, minimum=0.1)
+if DATABASE_POOL and not _is_postgres:
+    raise ImproperlyConfigured("DATABASE_POOL=true needs PostgreSQL (DATABASE_URL=postgres://...)")
+if DATABASE_POOL_MIN > DATABASE_POOL_MAX:
+    raise ImproperlyConfigured(
+        f"DATABASE_POOL_MIN={DATABASE_POOL_MIN} must not exceed DATABASE_POOL_MAX={DATABASE_POOL_MAX}"
+    )
+if DATABASE_POOL:
+    _default_db.setdefault("OPTIONS", {})["pool"] = {
+        "min_size": DATABASE_POOL_MIN,
+        "max_size": DATABASE_POOL_MAX,
+        "timeout": DATABASE_POOL_TIMEOUT_S,
+    }
+    _default_db["CONN_MAX_AGE"] = 0  # Django refuses persistent connections with a pool
+else:
+    # Persistent connections save a connect per request; health checks drop dead ones.
+    _default_db["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
+    _default_db["CONN_HEALTH_CHECKS"] = True
 DATABASES = {"default": _default_db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: Celery broker and channel layer -------------------------------------
 REDIS_URL = env_str("REDIS_URL")
 if REDIS_URL:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    # socket_timeout above channels_redis's 5 s blocking pop: redis-py's default read timeout is also
+    # 5 s, and an idle WebSocket consumer's pop then dies with "Timeout reading" (live UI, tests/live).
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}]},
+        }
+    }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
@@ -121,13 +150,15 @@ if REDIS_URL:
     CELERY_RESULT_BACKEND = REDIS_URL
 else:
     _celery_dir = VAR_DIR / "celery"
-    for _sub in ("queue", "processed", "results"):
+    for _sub in ("queue", "processed", "results", "control"):
         (_celery_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_celery_dir / "queue"),
         "data_folder_out": str(_celery_dir / "queue"),
         "processed_folder": str(_celery_dir / "processed"),
+        # kombu's default is ./control relative to the working directory.
+        "control_folder": str(_celery_dir / "control"),
         "store_processed": False,
     }
     CELERY_RESULT_BACKEND = f"file://{_celery_dir / 'results'}"
@@ -143,9 +174,26 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 TANDEM_ADMISSION_INTERVAL_S = env_float("TANDEM_ADMISSION_INTERVAL_S", 10.0, minimum=0.5)
 TANDEM_ACCOUNTING_INTERVAL_S = env_float("TANDEM_ACCOUNTING_INTERVAL_S", 60.0, minimum=1.0)
+# Host agents (docs/host-agents.md): heartbeat period, and the silence after which a host is LOST.
+TANDEM_HEARTBEAT_S = env_float("TANDEM_HEARTBEAT_S", 10.0, minimum=0.1)
+TANDEM_HOST_GRACE_S = env_float("TANDEM_HOST_GRACE_S", 60.0, minimum=1.0)
+if TANDEM_HOST_GRACE_S < 2 * TANDEM_HEARTBEAT_S:
+    # One late heartbeat must not make a host flap between ONLINE and LOST.
+    raise ImproperlyConfigured(
+        f"TANDEM_HOST_GRACE_S={TANDEM_HOST_GRACE_S:g} must be at least twice TANDEM_HEARTBEAT_S={TANDEM_HEARTBEAT_S:g}"
+    )
+# Live UI (docs/live-ui-backend.md): checkpoint files are served and deleted only inside this
+# directory; retention of old checkpoints runs this often.
+TANDEM_CHECKPOINT_ROOT = Path(env_str("TANDEM_CHECKPOINT_ROOT", str(BASE_DIR / "runs"))).resolve()
+TANDEM_RETENTION_INTERVAL_S = env_float("TANDEM_RETENTION_INTERVAL_S", 300.0, minimum=1.0)
 CELERY_BEAT_SCHEDULE = {
     "admit-pending": {"task": "jobs.tasks.admit_pending", "schedule": TANDEM_ADMISSION_INTERVAL_S},
     "accrue-device-time": {"task": "jobs.tasks.accrue_device_time", "schedule": TANDEM_ACCOUNTING_INTERVAL_S},
+    "mark-lost-hosts": {"task": "rlplatform.tasks.mark_lost_hosts", "schedule": TANDEM_HEARTBEAT_S},
+    "apply-checkpoint-retention": {
+        "task": "jobs.tasks.apply_checkpoint_retention",
+        "schedule": TANDEM_RETENTION_INTERVAL_S,
+    },
 }
 
 # --- Platform knobs -------------------------------------------------------------

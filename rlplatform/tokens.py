@@ -15,6 +15,7 @@ import secrets
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from rlplatform import audit
@@ -109,7 +110,7 @@ def _split(raw: str) -> str | None:
 
 
 def authenticate_token(raw: str) -> APIToken | None:
-    """The valid token for ``raw`` (with ``user`` and ``team`` loaded), or None.
+    """The valid token for ``raw`` (with ``user`` loaded), or None.
 
     Invalid: unknown, wrong secret, revoked, expired, inactive user, or a user
     no longer in the token's team (superusers excepted).
@@ -117,16 +118,18 @@ def authenticate_token(raw: str) -> APIToken | None:
     prefix = _split(raw)
     if prefix is None:
         return None
-    token = APIToken.objects.select_related("user", "team").filter(prefix=prefix).first()
+    # One query on the hot path (CI polling a run): the token, its user, and whether
+    # the user is still in the token's team, as an EXISTS subquery.
+    membership = Membership.objects.filter(team_id=OuterRef("team_id"), user_id=OuterRef("user_id"))
+    token = (
+        APIToken.objects.select_related("user").annotate(user_in_team=Exists(membership)).filter(prefix=prefix).first()
+    )
     if token is None or not hmac.compare_digest(token.token_hash, hash_token(raw)):
         return None
     now = timezone.now()
     if not token.is_valid(now) or not token.user.is_active:
         return None
-    if (
-        not token.user.is_superuser
-        and not Membership.objects.filter(team_id=token.team_id, user_id=token.user_id).exists()
-    ):
+    if not token.user.is_superuser and not token.user_in_team:
         return None
     if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
         APIToken.objects.filter(pk=token.pk).update(last_used_at=now)

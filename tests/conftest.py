@@ -13,6 +13,15 @@ from __future__ import annotations
 
 import pytest
 
+
+def pytest_configure(config):
+    # Personas are created with passwords; PBKDF2 costs about a second per user on a loaded
+    # 2-core machine. pytest-django has loaded the settings module by now; no test needs a slow hash.
+    from django.conf import settings
+
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 SPEC_1_DEVICE = "name: tiny\nresources:\n  device: cpu\n  trainer_devices: 1\n"
 
 

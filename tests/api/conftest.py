@@ -5,12 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _fast_password_hashing(settings):
-    # The personas are created with passwords; PBKDF2 costs ~1 s per user on this machine.
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def api():
     from rest_framework.test import APIClient

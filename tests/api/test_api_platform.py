@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.api.views import QUOTA_STAFF_ONLY
 from jobs.models import Run
 from jobs.states import RunState
 from rlplatform.models import APIToken, AuditLog, Device, Host, Quota, ResourceGroup
@@ -107,29 +108,39 @@ def test_deleting_a_group_in_use_is_409(api, superuser, cpu_group, experiment):
 # --- quotas -------------------------------------------------------------------------------------------------
 
 
-def test_team_admin_changes_a_quota_and_it_is_audited(as_user, owner, team_a, experiment):
+@pytest.fixture
+def staff(make_user):
+    """Platform staff (is_staff, not superuser), in no team."""
+    return make_user("ops", is_staff=True)
+
+
+@pytest.fixture
+def staff_api(api, staff):
+    api.force_login(staff)
+    return api
+
+
+def test_platform_staff_change_a_quota_and_it_is_audited(staff_api, staff, experiment):
     quota = experiment.quota
-    response = as_user(owner, team_a).patch(
-        f"/api/quotas/{quota.pk}/", {"max_devices": 4, "priority": 5}, format="json"
-    )
+    response = staff_api.patch(f"/api/quotas/{quota.pk}/", {"max_devices": 4, "priority": 5}, format="json")
     assert response.status_code == 200
     assert (response.json()["max_devices"], response.json()["priority"]) == (4, 5)
     quota.refresh_from_db()
     assert (quota.max_devices, quota.priority) == (4, 5)
     entry = AuditLog.objects.get(action="quota.update")
-    assert (entry.actor, entry.target_id) == (owner, str(quota.pk))
+    assert (entry.actor, entry.target_id) == (staff, str(quota.pk))
     assert (entry.before["max_devices"], entry.after["max_devices"]) == (8, 4)
     assert (entry.before["priority"], entry.after["priority"]) == (0, 5)
 
 
-def test_lowering_a_quota_below_use_keeps_running_runs_and_queues_new_ones(as_user, owner, team_a, experiment, submit):
+def test_lowering_a_quota_below_use_keeps_running_runs_and_queues_new_ones(staff_api, experiment, submit):
     running = submit(experiment, 4)
-    as_user(owner, team_a).patch(f"/api/quotas/{experiment.quota.pk}/", {"max_devices": 2}, format="json")
+    assert staff_api.patch(f"/api/quotas/{experiment.quota.pk}/", {"max_devices": 2}, format="json").status_code == 200
     running.refresh_from_db()
     assert running.state == RunState.ADMITTED
     waiting = submit(experiment, 1)
     assert waiting.state == RunState.QUEUED
-    assert "quota" in waiting.reason
+    assert waiting.reason == "quota: 4/2 devices in use, run needs 1"
 
 
 @pytest.mark.parametrize(
@@ -141,9 +152,9 @@ def test_lowering_a_quota_below_use_keeps_running_runs_and_queues_new_ones(as_us
         ({"max_gpus": 3}, [("max_gpus", "unknown field")]),
     ],
 )
-def test_bad_quota_values_are_400_and_change_nothing(as_user, owner, team_a, experiment, body, expected):
+def test_bad_quota_values_are_400_and_change_nothing(staff_api, experiment, body, expected):
     quota = experiment.quota
-    response = as_user(owner, team_a).patch(f"/api/quotas/{quota.pk}/", body, format="json")
+    response = staff_api.patch(f"/api/quotas/{quota.pk}/", body, format="json")
     assert response.status_code == 400
     assert _errors(response) == expected
     quota.refresh_from_db()
@@ -151,24 +162,68 @@ def test_bad_quota_values_are_400_and_change_nothing(as_user, owner, team_a, exp
     assert not AuditLog.objects.filter(action="quota.update").exists()
 
 
-def test_editor_cannot_change_quotas(as_user, editor, team_a, experiment):
-    response = as_user(editor, team_a).patch(f"/api/quotas/{experiment.quota.pk}/", {"max_devices": 99}, format="json")
+@pytest.mark.parametrize("persona", ["owner", "editor", "superuser"])
+def test_team_members_and_tokens_cannot_change_quotas(request, as_user, team_a, experiment, persona):
+    # A team admin raising its own cap or priority would take devices from the teams sharing the
+    # group; a superuser's API token acts only inside its team, like every token.
+    client = as_user(request.getfixturevalue(persona), team_a)
+    response = client.patch(f"/api/quotas/{experiment.quota.pk}/", {"max_devices": 99, "priority": 9}, format="json")
+    assert response.status_code == 403
+    assert response.json()["detail"] == QUOTA_STAFF_ONLY
+    experiment.quota.refresh_from_db()
+    assert (experiment.quota.max_devices, experiment.quota.priority) == (8, 0)
+    assert not AuditLog.objects.filter(action="quota.update").exists()
+
+
+def test_team_admin_signed_in_cannot_change_quotas(api, owner, experiment):
+    api.force_login(owner)
+    response = api.put(f"/api/quotas/{experiment.quota.pk}/", {"max_devices": 99}, format="json")
     assert response.status_code == 403
     experiment.quota.refresh_from_db()
     assert experiment.quota.max_devices == 8
     assert not AuditLog.objects.filter(action="quota.update").exists()
 
 
-def test_team_admin_creates_a_quota(as_user, owner, team_a, cpu_group):
-    response = as_user(owner, team_a).post(
+def test_team_admin_still_reads_the_teams_quotas(as_user, owner, team_a, experiment, experiment_b):
+    body = as_user(owner, team_a).get("/api/quotas/").json()
+    assert [(q["id"], q["max_devices"], q["team_name"]) for q in body["results"]] == [
+        (experiment.quota.pk, 8, "team-a")
+    ]
+    assert as_user(owner, team_a).get(f"/api/quotas/{experiment_b.quota.pk}/").status_code == 404
+
+
+def test_platform_staff_see_and_create_quotas_of_any_team(staff_api, team_a, cpu_group, experiment, experiment_b):
+    listed = staff_api.get("/api/quotas/").json()["results"]
+    assert sorted(q["id"] for q in listed) == sorted([experiment.quota.pk, experiment_b.quota.pk])
+    response = staff_api.post(
         "/api/quotas/",
         {"name": "shared", "team": team_a.pk, "group": cpu_group.pk, "max_devices": 2, "device_hour_budget": 10},
         format="json",
     )
     assert response.status_code == 201
     quota = Quota.objects.get(name="shared")
-    assert (quota.max_devices, quota.device_hour_budget) == (2, 10.0)
+    assert (quota.team, quota.group, quota.max_devices, quota.device_hour_budget) == (team_a, cpu_group, 2, 10.0)
     assert AuditLog.objects.filter(action="quota.create", target_id=str(quota.pk)).count() == 1
+
+
+def test_team_admin_cannot_create_a_quota(as_user, owner, team_a, cpu_group):
+    before = Quota.objects.count()
+    response = as_user(owner, team_a).post(
+        "/api/quotas/", {"name": "mine", "team": team_a.pk, "group": cpu_group.pk, "max_devices": 64}, format="json"
+    )
+    assert response.status_code == 403
+    assert Quota.objects.count() == before
+    assert not AuditLog.objects.filter(action="quota.create").exists()
+
+
+def test_staff_quota_for_an_ungranted_group_or_unknown_team_is_400(staff_api, team_a, make_group):
+    lonely = make_group("lonely", hosts=[("h1", 1, None)])  # granted to nobody
+    before = Quota.objects.count()
+    response = staff_api.post("/api/quotas/", {"name": "q", "team": team_a.pk, "group": lonely.pk}, format="json")
+    assert _errors(response) == [("group", "resource group lonely is not granted to team team-a")]
+    response = staff_api.post("/api/quotas/", {"name": "q", "team": 999999, "group": lonely.pk}, format="json")
+    assert _errors(response) == [("team", "no team 999999")]
+    assert Quota.objects.count() == before
 
 
 # --- tokens -------------------------------------------------------------------------------------------------

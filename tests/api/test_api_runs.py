@@ -219,6 +219,32 @@ def test_queued_run_shows_position_and_reason(as_user, owner, team_a, experiment
     assert client.get(f"/api/runs/{first.pk}/").json()["queue_position"] == 1
 
 
+def test_run_status_by_token_costs_two_queries_three_when_it_holds_devices(
+    as_user, owner, team_a, experiment, submit, django_assert_max_num_queries
+):
+    # CI polls this endpoint: one query authenticates (token, user, team, membership), one reads
+    # the run with its experiment and creator; only a run holding devices reads its allocations.
+    held = submit(experiment, 2)
+    for _ in range(3):
+        submit(experiment, 2)
+    waiting = submit(experiment, 1)
+    client = as_user(owner, team_a)
+    client.get(f"/api/runs/{waiting.pk}/")  # first use writes last_used_at (at most once a minute)
+    with django_assert_max_num_queries(2):
+        body = client.get(f"/api/runs/{waiting.pk}/").json()
+    assert (body["id"], body["state"], body["queue_position"], body["experiment_name"], body["created_by"]) == (
+        waiting.pk,
+        "QUEUED",
+        1,
+        "exp-a",
+        "owner",
+    )
+    assert body["devices"] == []
+    with django_assert_max_num_queries(3):
+        body = client.get(f"/api/runs/{held.pk}/").json()
+    assert (body["state"], body["devices"]) == ("ADMITTED", ["cpu-local-h1:0", "cpu-local-h1:1"])
+
+
 def test_every_list_is_paginated(as_user, owner, team_a, experiment, submit):
     submit(experiment)
     client = as_user(owner, team_a)

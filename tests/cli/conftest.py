@@ -8,12 +8,6 @@ import time
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _fast_password_hashing(settings):
-    # The personas are created with passwords; PBKDF2 costs ~1 s per user on this machine.
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def ci_token(owner, team_a):
     from rlplatform import tokens

@@ -23,11 +23,11 @@ def _state(run):
 
 def test_priority_then_fifo(make_group, make_experiment, team_a, submit, complete):
     group = make_group("g", hosts=[("h1", 2, "sw1")], teams=[team_a])
-    exp = make_experiment(team_a, group, "e")
-    first = submit(exp, 2)
-    low_early = submit(exp, 2)
-    high = submit(exp, 2, priority=5)
-    low_late = submit(exp, 2)
+    exp = make_experiment(team_a, group, "e", priority=5)
+    first = submit(exp, 2, priority=0)
+    low_early = submit(exp, 2, priority=0)
+    high = submit(exp, 2)  # the quota's priority, 5
+    low_late = submit(exp, 2, priority=0)
     assert first.state == RunState.ADMITTED
     assert _state(high) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 2, free 0)")
     assert _state(low_early) == (RunState.QUEUED, 2, f"waiting behind run {high.pk} for free cpu devices")
@@ -43,16 +43,17 @@ def test_priority_then_fifo(make_group, make_experiment, team_a, submit, complet
     assert _state(low_late)[:2] == (RunState.QUEUED, 1)
 
 
-def test_run_priority_falls_back_to_quota_priority(make_group, make_experiment, team_a, submit):
+def test_run_priority_may_lower_but_never_lift_above_its_quotas(make_group, make_experiment, team_a, submit):
     group = make_group("g", hosts=[("h1", 1, None)], teams=[team_a])
     low = make_experiment(team_a, group, "low", priority=0)
     high = make_experiment(team_a, group, "high", priority=10)
     blocker = submit(low, 1)
     from_low = submit(low, 1)
     from_high = submit(high, 1)
-    overridden = submit(low, 1, priority=20)
+    lifted = submit(low, 1, priority=20)  # capped at its quota's 0: no jumping ahead of other quotas
+    lowered = submit(high, 1, priority=-5)
     assert blocker.state == RunState.ADMITTED
-    assert [_state(r)[1] for r in (overridden, from_high, from_low)] == [1, 2, 3]
+    assert [_state(r)[1] for r in (from_high, from_low, lifted, lowered)] == [1, 2, 3, 4]
 
 
 def test_gang_is_all_or_nothing(make_group, make_experiment, team_a, submit):
@@ -198,7 +199,8 @@ def test_set_priority_reorders_the_queue(make_group, make_experiment, team_a, su
     exp = make_experiment(team_a, group, "e")
     submit(exp, 1)
     first, second = submit(exp, 1), submit(exp, 1)
-    handler.set_priority(owner, second, 3)
+    assert (_state(first)[1], _state(second)[1]) == (1, 2)
+    handler.set_priority(owner, first, -1)
     assert (_state(second)[1], _state(first)[1]) == (1, 2)
 
 

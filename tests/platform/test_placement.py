@@ -1,6 +1,6 @@
 """Device placement rules (pure): one host, then one switch, then fewest hosts."""
 
-from jobs.placement import place
+from jobs.placement import place, take
 
 
 def test_prefers_the_tightest_single_host():
@@ -36,3 +36,11 @@ def test_gang_is_all_or_nothing():
 
 def test_zero_devices_needs_nothing():
     assert place(0, {}, {}) == []
+
+
+def test_take_removes_the_chosen_devices_from_their_hosts_only():
+    free = {1: [10, 11, 12], 2: [20, 21], 3: [30]}
+    host_of = {10: 1, 11: 1, 12: 1, 20: 2, 21: 2, 30: 3}
+    take(free, host_of, [11, 20, 21])
+    assert free == {1: [10, 12], 2: [], 3: [30]}
+    assert place(2, free, {}) == [10, 12]  # the next gang sees what is left
