@@ -1,0 +1,218 @@
+"""The runtime's command line.
+
+    python -m runtime run SPEC.yaml [key.sub=value ...] [--resume DIR]
+    python -m runtime sft SPEC.yaml [key.sub=value ...] --steps N --out DIR
+    python -m runtime eval --checkpoint DIR [--spec SPEC.yaml] [key.sub=value ...]
+    python -m runtime validate SPEC.yaml [key.sub=value ...]
+    python -m runtime role ...            (reserved for the platform)
+
+Bad input — an unknown or invalid field, an impossible combination, a
+missing model path or dataset, a device that is not there, a corrupt or
+partial checkpoint — is found before any work starts and reported as one
+line naming the field, with exit status 2. A failure during the run exits 1
+with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from runtime.spec import RunSpec, SpecError, load_spec
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+class UsageError(Exception):
+    """Bad input found before any work started."""
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input (imported lazily: ``validate`` needs no torch)."""
+    from runtime.algos import AlgorithmError
+    from runtime.checkpoint import CheckpointError
+    from runtime.devices import DeviceError
+    from runtime.models import ModelError
+
+    return (UsageError, SpecError, AlgorithmError, CheckpointError, DeviceError, ModelError)
+
+
+def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
+    """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
+    from runtime.algos import get_algorithm
+    from runtime.devices import resolve_device
+    from runtime.models import check_model_path
+
+    resolve_device(spec.resources.device, 0)
+    if spec.resources.device != "cpu":
+        n = spec.resources.trainer_devices + spec.resources.rollout_devices + spec.resources.eval_devices
+        resolve_device(spec.resources.device, n - 1)
+    if spec.model.path:
+        check_model_path(spec.model.path)
+    get_algorithm(spec.algorithm.name)
+    for field in ("path", "eval_path"):
+        value = getattr(spec.task, field)
+        if value and not Path(value).is_file():
+            raise UsageError(f"task.{field}: no such file: {value}")
+    if spec.samples_per_step > spec.queue_capacity:
+        raise UsageError(
+            f"pipeline.queue_capacity: {spec.queue_capacity} cannot hold one step's {spec.samples_per_step} samples"
+        )
+    if resume is None:
+        return None
+    return _checkpoint(resume)
+
+
+def _checkpoint(where: str) -> Path:
+    """The verified checkpoint at (or newest under) ``where``."""
+    from runtime.checkpoint import verify_checkpoint
+    from runtime.pipeline import PipelineError, resolve_resume
+
+    try:
+        path = resolve_resume(where)
+    except PipelineError as exc:
+        raise UsageError(str(exc)) from None
+    verify_checkpoint(path)
+    return path
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    sys.stdout.write(yaml.safe_dump(spec.resolved(), sort_keys=False))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from runtime.pipeline import run
+
+    spec = load_spec(args.spec, args.overrides)
+    resume = preflight(spec, args.resume)
+    result = run(spec, resume=resume)
+    summary = {k: result[k] for k in ("mode", "steps", "output_dir", "checkpoint")}
+    summary["final"] = result["metrics"]
+    summary["eval"] = result["eval"]
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from runtime.sft import run_sft
+
+    spec = load_spec(args.spec, args.overrides)
+    preflight(spec)
+    if args.steps < 1:
+        raise UsageError("--steps: must be >= 1")
+    out = run_sft(spec, args.steps, Path(args.out))
+    print(json.dumps({"model_dir": str(out)}))
+    return 0
+
+
+def _eval_spec(args: argparse.Namespace) -> tuple[RunSpec, Path]:
+    from runtime.checkpoint import CheckpointError
+
+    ckpt = _checkpoint(args.checkpoint)
+    policy_dir = ckpt / "policy"
+    if not (policy_dir / "config.json").is_file():
+        raise CheckpointError(f"{ckpt}: holds no HF policy directory (policy/config.json)")
+    spec_file = Path(args.spec) if args.spec else ckpt.parent.parent / "resolved_spec.yaml"
+    if not spec_file.is_file():
+        raise UsageError(f"--spec: no spec given and none found at {spec_file}")
+    spec = load_spec(spec_file, [*args.overrides, f"model.path={policy_dir}"])
+    return spec, ckpt
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from runtime.devices import resolve_device, set_threads
+    from runtime.evaluator import evaluate
+    from runtime.models import build_policy
+    from runtime.roles import build_engine, build_task
+
+    spec, ckpt = _eval_spec(args)
+    preflight(spec)
+    set_threads(spec.resources.threads_per_process)
+    device = resolve_device(spec.resources.device, 0)
+    model, tokenizer = build_policy(spec.model, device, seed=spec.seed)
+    model.eval()
+    engine = build_engine(model, tokenizer, device, spec)
+    task = build_task(spec)
+    r = spec.rollout
+    metrics = evaluate(engine, tokenizer, task, task.eval_prompts(), r.max_new_tokens, r.max_batch_size)
+    print(json.dumps({"checkpoint": str(ckpt), **metrics}))
+    return 0
+
+
+def _cmd_role(args: argparse.Namespace) -> int:
+    raise UsageError("`role` is not available yet: it arrives with the platform integration (run specs with `run`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m runtime", description="Tandem RL runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run a spec")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.add_argument("--resume", metavar="DIR", help="checkpoint (or run / checkpoints directory) to continue from")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("sft", help="supervised warm start; writes an HF model directory")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("eval", help="greedy held-out evaluation of a checkpoint")
+    p.add_argument("--checkpoint", required=True, metavar="DIR")
+    p.add_argument("--spec", help="spec to take the task from (default: the run's resolved_spec.yaml)")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("validate", help="print the resolved spec, or the field errors")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("role", help="(reserved) run one role of a platform-managed run")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_role)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `run spec --resume DIR a=b`: argparse leaves overrides that follow an option unparsed
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if args.command == "validate":
+        errors: tuple[type[BaseException], ...] = (SpecError, UsageError)
+    else:
+        errors = _input_errors()
+    try:
+        return args.func(args)
+    except errors as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a failure mid-run: one readable line, no traceback
+        print(f"error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The LLM workload's roles: where prompts come from, how a rollout turns them into samples.
+
+``pipeline.py`` schedules roles and never looks inside a sample; everything
+specific to language-model generation lives here:
+
+* :class:`WorkItem` — one prompt issued for generation, with its unique issue
+  index (the data cursor position) from which group and sample ids derive, and
+  the oldest weight version allowed to generate it (throttling).
+* :class:`PromptSource` — the data cursor over the task's training prompts
+  (cycling), with a re-issue list served first (in-flight prompts after a
+  resume, prompts of stale samples under ``throttle`` / ``sync``).
+* :class:`RolloutWorker` — generates a group per prompt with the engine,
+  scores each response with the task's verifier and returns ``Sample``s.
+* :func:`build_models` — policy, tokenizer, reference and critic for a spec.
+
+Sampling randomness is a pure function of (run seed, issue index): a batch
+draws the same tokens whichever process generates it, so a resumed run needs
+no rollout RNG state, and a sync run is deterministic by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.samples import Prompt, Sample
+from runtime.spec import RunSpec
+
+
+@dataclass
+class WorkItem:
+    index: int  # issue index: unique over the run; the group id of the prompt's samples
+    prompt: Prompt
+    min_version: int = 0  # generation waits until weights at least this new are available
+
+    def pack(self) -> dict[str, Any]:
+        p = self.prompt
+        return {"index": self.index, "min_version": self.min_version, "prompt": [p.prompt_id, p.text, p.answer, p.size]}
+
+    @staticmethod
+    def unpack(d: dict[str, Any]) -> WorkItem:
+        pid, text, answer, size = d["prompt"]
+        return WorkItem(index=d["index"], min_version=d["min_version"], prompt=Prompt(pid, text, answer, size))
+
+
+class PromptSource:
+    """The data cursor: hands out the task's training prompts in order, cycling over epochs."""
+
+    def __init__(self, prompts: list[Prompt]):
+        if not prompts:
+            raise ValueError("task.train_size: the task produced no training prompts")
+        self.prompts = prompts
+        self.cursor = 0  # prompts issued from the data so far (= next fresh issue index)
+        self.reissue: deque[WorkItem] = deque()
+
+    def next(self, n: int, min_version: int = 0) -> list[WorkItem]:
+        out: list[WorkItem] = []
+        while self.reissue and len(out) < n:
+            item = self.reissue.popleft()
+            item.min_version = max(item.min_version, min_version)
+            out.append(item)
+        while len(out) < n:
+            prompt = self.prompts[self.cursor % len(self.prompts)]
+            out.append(WorkItem(index=self.cursor, prompt=prompt, min_version=min_version))
+            self.cursor += 1
+        return out
+
+    def give_back(self, items: list[WorkItem], min_version: int = 0) -> None:
+        """Re-issue ``items`` before any fresh prompt, generated with weights >= ``min_version``."""
+        for item in reversed(items):
+            item.min_version = max(item.min_version, min_version)
+            self.reissue.appendleft(item)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "reissue": [w.pack() for w in self.reissue]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor = int(state["cursor"])
+        self.reissue = deque(WorkItem.unpack(d) for d in state["reissue"])
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for the generation batch that starts at issue ``index``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class RolloutWorker:
+    """Generation and reward for a list of work items (one engine, one task)."""
+
+    def __init__(self, spec: RunSpec, engine: Any, tokenizer: Any, task: Any, device: torch.device):
+        from runtime.rollout.engine import SamplingParams
+
+        self.spec = spec
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.task = task
+        self.device = device
+        r = spec.rollout
+        self.group_size = spec.algorithm.group_size
+        self.params = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_ids=(tokenizer.eos_id,),
+            n=self.group_size,
+        )
+        # prompts per engine call: a whole number of groups within the engine's batch size
+        self.prompts_per_batch = max(1, r.max_batch_size // self.group_size)
+
+    def generate(self, items: list[WorkItem]) -> tuple[list[Sample], int]:
+        """Samples for ``items`` (``group_size`` per prompt, ids from the issue index); also the tokens generated."""
+        samples: list[Sample] = []
+        tokens = 0
+        for start in range(0, len(items), self.prompts_per_batch):
+            chunk = items[start : start + self.prompts_per_batch]
+            prompt_ids = [self.tokenizer.encode_prompt(it.prompt.text) for it in chunk]
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(batch_seed(self.spec.seed, chunk[0].index))
+            completions = self.engine.generate(prompt_ids, self.params, generator=gen)
+            seen: dict[int, int] = {}
+            for c in completions:
+                item = chunk[c.prompt_index]
+                j = seen.get(c.prompt_index, 0)
+                seen[c.prompt_index] = j + 1
+                reward, correct = self.task.score(item.prompt, self.tokenizer.decode(list(c.token_ids)))
+                tokens += len(c.token_ids)
+                samples.append(
+                    Sample(
+                        sample_id=item.index * self.group_size + j,
+                        prompt_id=item.prompt.prompt_id,
+                        group_id=item.index,
+                        prompt_ids=prompt_ids[c.prompt_index],
+                        response_ids=list(c.token_ids),
+                        logprobs=[float(x) for x in c.logprobs],
+                        versions=[int(v) for v in c.versions],
+                        finish_reason=c.finish_reason,
+                        reward=float(reward),
+                        correct=bool(correct),
+                    )
+                )
+        samples.sort(key=lambda s: s.sample_id)  # groups contiguous, in issue order
+        return samples, tokens
+
+
+@dataclass
+class Models:
+    policy: Any
+    tokenizer: Any
+    ref_policy: Any = None
+    critic: Any = None
+
+
+def build_models(spec: RunSpec, device: torch.device) -> Models:
+    """The trainer's models: policy + tokenizer, a frozen reference when the KL penalty needs it, a critic for PPO."""
+    from runtime.algos import get_algorithm
+    from runtime.models import ValueModel, build_policy
+
+    policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
+    ref = None
+    if spec.model.reference and spec.algorithm.kl_coef > 0:
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    critic = None
+    if get_algorithm(spec.algorithm.name).needs_critic:
+        critic = ValueModel.from_policy(policy).to(device)
+    return Models(policy=policy, tokenizer=tokenizer, ref_policy=ref, critic=critic)
+
+
+def build_engine(model: Any, tokenizer: Any, device: torch.device, spec: RunSpec) -> Any:
+    from runtime.rollout.engine import Engine
+
+    r = spec.rollout
+    return Engine(model, tokenizer, device, max_batch_size=r.max_batch_size, max_batch_tokens=r.max_batch_tokens)
+
+
+def build_task(spec: RunSpec) -> Any:
+    from runtime.tasks import build_task as _build
+
+    return _build(spec.task)
+
+
+# ---- the rollout process (async mode) ----------------------------------------
+
+
+def to_bytes(obj: Any) -> bytes:
+    """Serialise a packed batch by value: a tensor sent through a queue would live in the sender's
+    shared memory, which vanishes when a rollout process exits before the trainer reads it."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(blob: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def rollout_device_index(spec: RunSpec, rank: int) -> int:
+    """Rollout devices follow the trainer's (indices trainer_devices ...); 0 when they share (CPU)."""
+    r = spec.resources
+    return r.trainer_devices + rank % r.rollout_devices if r.rollout_devices else 0
+
+
+def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, out_q: Any, stop: Any, threads: int) -> None:
+    """Entry point of one rollout process: its own engine and threads, weights from the shared buffer.
+
+    Loop: take a batch of work items; wait until weights at least as new as the batch's
+    ``min_version`` are available (throttle); switch to the latest version (a batch boundary);
+    generate and score; send the packed samples back. Exits on ``None`` or when ``stop`` is set;
+    unprocessed items stay "in flight" for the trainer to account for.
+    """
+    import queue as std_queue
+    import time
+    import traceback
+
+    from runtime.devices import resolve_device, set_threads
+    from runtime.models import build_policy
+    from runtime.queue import pack_samples
+    from runtime.spec import validate_spec
+    from runtime.weights import WeightSubscriber
+
+    try:
+        set_threads(threads)
+        spec = validate_spec(spec_data)
+        device = resolve_device(spec.resources.device, rollout_device_index(spec, rank))
+        policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
+        policy.eval()
+        engine = build_engine(policy, tokenizer, device, spec)
+        worker = RolloutWorker(spec, engine, tokenizer, build_task(spec), device)
+        sub = WeightSubscriber(shared, current_version=-1)
+        out_q.put(("ready", rank, None))
+        while not stop.is_set():
+            try:
+                msg = work_q.get(timeout=0.2)
+            except std_queue.Empty:
+                continue
+            if msg is None:
+                break
+            items = [WorkItem.unpack(d) for d in msg]
+            need = max(it.min_version for it in items)
+            waited = time.perf_counter()
+            while not sub.wait_for(need, timeout=0.2):
+                if stop.is_set():
+                    return
+            waited = time.perf_counter() - waited
+            sub.switch(engine.update_weights)  # batch boundary: take the latest available version
+            started = time.perf_counter()
+            with torch.no_grad():
+                samples, tokens = worker.generate(items)
+            elapsed = time.perf_counter() - started
+            info = {"indices": [it.index for it in items], "gen_s": elapsed, "tokens": tokens, "throttled_s": waited}
+            out_q.put(("samples", rank, (to_bytes(pack_samples(samples)), info)))
+    except BaseException:  # the trainer turns this into a clear error and stops the run
+        out_q.put(("error", rank, traceback.format_exc()))
+    finally:
+        out_q.put(("exit", rank, None))
+
+
+class ConsistencyProbe:
+    """Engine vs trainer log-probabilities on samples older than the trainer's weights.
+
+    The trainer can compare its log-probs with the engine's only on samples generated by its
+    current weights; in async mode nearly every sample is a version or more behind, so that
+    comparison would mix numerical mismatch with policy drift. The probe re-scores up to
+    ``max_samples`` samples of one version with *that version's* weights (kept by the weight
+    service) in a model of its own, using the trainer's scoring function.
+    """
+
+    def __init__(self, spec: RunSpec, device: torch.device, max_samples: int):
+        from runtime.models import build_policy
+
+        self.model, _ = build_policy(spec.model, device, seed=spec.seed)
+        self.model.eval().requires_grad_(False)
+        self.device = device
+        self.max_samples = max_samples
+        self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
+        self._loaded: int | None = None
+
+    @torch.no_grad()
+    def measure(self, samples: list[Sample], weights: Any) -> dict[str, float]:
+        from runtime.metrics import consistency_metrics
+        from runtime.models import token_logprobs
+
+        kept = set(weights.versions())
+        single = [s for s in samples if s.versions and min(s.versions) == max(s.versions) and s.version in kept]
+        if not single:
+            return {}
+        version = max(s.version for s in single)
+        picked = [s for s in single if s.version == version][: self.max_samples]
+        if self._loaded != version:
+            params = self.model.state_dict()
+            for name, tensor in weights.state(version).items():
+                params[name].copy_(tensor)
+            self._loaded = version
+        # one right-padded forward; positions count real tokens, as in the trainer's scoring
+        rows = [s.prompt_ids + s.response_ids for s in picked]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        logp = token_logprobs(self.model, ids.to(self.device), mask.to(self.device), temperature=self.temperature)
+        engine, trainer = [], []
+        for i, s in enumerate(picked):
+            start = len(s.prompt_ids) - 1
+            trainer.append(logp[i, start : start + len(s.response_ids)].tolist())
+            engine.append(s.logprobs)
+        return consistency_metrics(engine, trainer)

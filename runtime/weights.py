@@ -1,0 +1,182 @@
+"""The weight service: versioned publication of policy weights.
+
+Every published weight set gets a version, strictly increasing over the run.
+
+* Co-located (:meth:`WeightService.publish` with ``state=None``): the
+  generation engine *is* the trainer's model, so publishing moves only the
+  version number — zero copy, zero sync cost.
+* Disaggregated on one host (:meth:`WeightService.shared_handle`): the
+  trainer copies each new version into one shared-memory buffer;
+  :class:`WeightSubscriber` in a rollout process keeps a *current* version (the
+  weights its engine uses) and sees the *latest available* one, and switches
+  only when asked to, at a batch boundary. A lock keeps a reader from seeing a
+  half-written buffer. (Across hosts a broadcast in a process group of its own
+  takes the buffer's place; not built yet.)
+* Rollback: the last ``keep`` published versions are kept on the host;
+  :meth:`WeightService.rollback` republishes an old one under a NEW, higher
+  version so that versions stay monotonic and staleness arithmetic holds.
+
+Workload-agnostic: it moves name -> tensor dicts and knows nothing of LLMs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+State = dict[str, torch.Tensor]
+
+
+class WeightError(RuntimeError):
+    pass
+
+
+@dataclass
+class SharedWeights:
+    """What a rollout process needs to follow published weights (picklable across spawn)."""
+
+    tensors: State  # shared-memory buffer, one tensor per parameter
+    meta: torch.Tensor  # shared int64 [latest version]
+    lock: Any  # a multiprocessing lock guarding buffer + meta
+
+
+class WeightService:
+    """Trainer-side publisher. ``keep``: versions retained for rollback (0 = none)."""
+
+    def __init__(self, keep: int = 3, initial_version: int = 0):
+        self.keep = keep
+        self._version = initial_version
+        self._history: OrderedDict[int, State] = OrderedDict()
+        self._shared: SharedWeights | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def versions(self) -> list[int]:
+        """Versions available for rollback, oldest first."""
+        return list(self._history)
+
+    def shared_handle(self, like: State, ctx: Any = None) -> SharedWeights:
+        """Create (once) the shared-memory buffer for rollout processes, shaped like ``like``."""
+        if self._shared is None:
+            ctx = ctx or mp.get_context("spawn")
+            tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in like.items()}
+            meta = torch.tensor([self._version], dtype=torch.int64).share_memory_()
+            self._shared = SharedWeights(tensors=tensors, meta=meta, lock=ctx.Lock())
+        return self._shared
+
+    def publish(self, state: State | None, version: int | None = None) -> int:
+        """Publish ``state`` (None: co-located, the engine already reads it) as a new version.
+
+        Returns the version. ``version`` defaults to the previous one + 1 and must increase.
+        """
+        new = self._version + 1 if version is None else version
+        if new <= self._version:
+            raise WeightError(f"version {new} is not newer than the published {self._version}")
+        if state is not None:
+            if self.keep:
+                self._history[new] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+                while len(self._history) > self.keep:
+                    self._history.popitem(last=False)
+            if self._shared is not None:
+                self._write_shared(state, new)
+        elif self._shared is not None:
+            raise WeightError("a shared buffer has subscribers; publish needs the weights")
+        self._version = new
+        return new
+
+    def initialize(self, state: State) -> None:
+        """Record ``state`` as the weights of the current version, without a new version
+        (at the start of a run or after a resume), for subscribers and rollback alike."""
+        if self.keep:
+            self._history[self._version] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            while len(self._history) > self.keep:
+                self._history.popitem(last=False)
+        if self._shared is not None:
+            self._write_shared(state, self._version)
+
+    def _write_shared(self, state: State, version: int) -> None:
+        shared = self._shared
+        assert shared is not None
+        missing = set(shared.tensors) ^ set(state)
+        if missing:
+            raise WeightError(f"published weights differ from the shared buffer in: {sorted(missing)[:5]}")
+        with shared.lock, torch.no_grad():
+            for name, buf in shared.tensors.items():
+                buf.copy_(state[name])
+            shared.meta[0] = version
+
+    def state(self, version: int) -> State:
+        """The kept weights of ``version`` (for rollback or inspection)."""
+        if version not in self._history:
+            raise WeightError(f"version {version} is not kept (kept: {self.versions()})")
+        return self._history[version]
+
+    def rollback(self, to_version: int) -> tuple[int, State]:
+        """Republish the weights of ``to_version`` under a new version; returns (new version, weights).
+
+        The caller loads the returned weights into the trainer's model.
+        """
+        state = self.state(to_version)
+        new = self.publish(state)
+        return new, state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self._version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._version = int(state["version"])
+
+
+class WeightSubscriber:
+    """Rollout-side view of a :class:`SharedWeights` buffer."""
+
+    def __init__(self, shared: SharedWeights, current_version: int = -1):
+        self.shared = shared
+        self.current_version = current_version
+
+    @property
+    def latest_version(self) -> int:
+        return int(self.shared.meta[0])
+
+    def wait_for(self, version: int, timeout: float | None = None, poll: float = 0.002) -> bool:
+        """Wait until a version >= ``version`` is available (throttle); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.latest_version < version:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
+
+    def switch(self, apply: Callable[[State, int], None]) -> int | None:
+        """At a batch boundary: if a newer version is available, hand it to ``apply``.
+
+        ``apply(weights, version)`` runs under the buffer's lock and must copy what it
+        needs (e.g. ``engine.update_weights``). Returns the new version, or None when
+        already current.
+        """
+        if self.latest_version <= self.current_version:
+            return None
+        with self.shared.lock, torch.no_grad():
+            version = int(self.shared.meta[0])
+            apply(self.shared.tensors, version)
+        self.current_version = version
+        return version
+
+
+def copy_into(model: torch.nn.Module) -> Callable[[State, int], None]:
+    """An ``apply`` for :meth:`WeightSubscriber.switch` that copies into ``model``'s tensors in place."""
+    targets = model.state_dict()
+
+    def apply(state: State, version: int) -> None:
+        for name, buf in state.items():
+            targets[name].copy_(buf)
+
+    return apply
