@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv test lint demo demo-setup bench-quick clean
+.PHONY: venv test lint demo demo-setup bench-quick clean frontend
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -22,11 +22,21 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint frontend
+	scripts/install_browser.sh
 	scripts/services.sh run $(BIN)/pytest -q
 
-demo: venv
+demo: venv frontend
 	scripts/demo.sh
+
+# The UI's chart library: installed by npm from package-lock.json, copied into
+# frontend/vendor/ (git-ignored) where the static files route serves it; no CDN.
+frontend: frontend/vendor/uplot/uPlot.esm.js
+
+frontend/vendor/uplot/uPlot.esm.js: package.json package-lock.json
+	npm ci --no-audit --no-fund --silent
+	mkdir -p frontend/vendor/uplot
+	cp node_modules/uplot/dist/uPlot.esm.js node_modules/uplot/dist/uPlot.min.css node_modules/uplot/LICENSE frontend/vendor/uplot/
 
 bench-quick: venv
 	scripts/services.sh run scripts/bench_all.sh --quick

@@ -33,7 +33,7 @@ from django.db import transaction
 from django.db.models import F, Max, Q
 from django.utils import timezone
 
-from jobs import handler
+from jobs import handler, stream
 from jobs.handler import Conflict, InvalidInput
 from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, ConfigVersion, MetricPoint, Run
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
@@ -120,8 +120,18 @@ def create(actor, run: Run, kind: str, args: dict[str, Any] | None = None) -> Co
         if kind == CommandKind.SET_PARAMS:
             number = (ConfigVersion.objects.filter(run=run).aggregate(n=Max("number"))["n"] or 0) + 1
             ConfigVersion.objects.create(run=run, number=number, params=params, command=command, created_by=user)
+            stream.append(run.pk, "config", {"number": number, "params": params})
         _record(actor, "command.create", command, None)
+        _stream(command)
     return command
+
+
+def _stream(command: Command) -> None:
+    stream.append(
+        command.run_id,
+        "command",
+        {"id": command.pk, "kind": command.kind, "state": command.state, "message": command.message},
+    )
 
 
 def _checkpoint_of(run: Run, args: dict[str, Any]) -> CheckpointRecord:
@@ -202,6 +212,7 @@ def _create_cancel(actor, user, run: Run, args: dict[str, Any]) -> Command:
             )
             command.refresh_from_db()
         _record(actor, "command.create", command, None)
+        _stream(command)
     return command
 
 
@@ -245,6 +256,7 @@ def _create_fork(actor, user, run: Run, args: dict[str, Any]) -> Command:
             finished_at=timezone.now(),
         )
         _record(actor, "command.create", command, None)
+        _stream(command)
     return command
 
 
@@ -292,6 +304,7 @@ def complete(run_id: int, command_id: int, state: str, message: str = "") -> Com
         command.state, command.message, command.finished_at = state, message, timezone.now()
         command.save(update_fields=["state", "message", "finished_at"])
         _record(None, "command.complete", command, before)
+        _stream(command)
         if state == CommandState.DONE:
             _apply_done(command)
     return command
@@ -300,6 +313,7 @@ def complete(run_id: int, command_id: int, state: str, message: str = "") -> Com
 def _apply_done(command: Command) -> None:
     if command.kind == CommandKind.ROLLBACK:
         mark_rewound(command.run_id, int(command.args["step"]))
+        stream.append(command.run_id, "rewound", {"after_step": int(command.args["step"])})
     target = STATE_AFTER_DONE.get(command.kind)
     if target is not None:
         try:

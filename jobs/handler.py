@@ -22,7 +22,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from jobs import accounting, admission
+from jobs import accounting, admission, stream
 from jobs.models import Experiment, Run
 from jobs.states import ACTIVE_STATES, REASON_REQUIRED, TERMINAL_STATES, IllegalTransition, RunState, check_transition
 from rlplatform import audit, locks
@@ -145,7 +145,9 @@ def update_quota(actor, quota: Quota, **changes: Any) -> Quota:
         if after != before:
             locked.save()
             audit.record(actor, "quota.update", locked, before, after)
+            states = stream.state_snapshot(quota.group_id)
             admission.admit_locked(group, quotas, timezone.now())
+            stream.append_state_changes(quota.group_id, states)
     quota.refresh_from_db()
     return quota
 
@@ -304,6 +306,7 @@ def submit_run(
         if existing is not None:
             return _same_submission(existing, resolved, priority), False
     _check_fits(experiment, parsed)
+    states = stream.state_snapshot(experiment.group_id)
     try:
         with transaction.atomic():
             run = Run.objects.create(
@@ -327,6 +330,9 @@ def submit_run(
             raise
         return _same_submission(existing, resolved, priority), False
     admission.admit_group(experiment.group_id)
+    with transaction.atomic():
+        # The new run's first state entry, and any run admission moved (live UI, jobs.stream).
+        stream.append_state_changes(experiment.group_id, states, also=[run.pk])
     run.refresh_from_db()
     return run, True
 
@@ -348,6 +354,7 @@ def transition(run: Run, target: RunState | str, reason: str = "") -> Run:
         group = locks.lock_group(group_id)
         quotas = locks.lock_group_quotas(group_id)
         now = timezone.now()  # under the lock: release and admission times follow the lock order
+        states = stream.state_snapshot(group_id)
         current = Run.objects.filter(pk=run.pk).values_list("state", flat=True).get()
         check_transition(run.pk, current, target, reason)
         fields: dict[str, Any] = {"state": target, "updated_at": now, "queue_position": None}
@@ -366,6 +373,7 @@ def transition(run: Run, target: RunState | str, reason: str = "") -> Run:
             accounting.release_run(run.pk, now)
         if releases or target == RunState.QUEUED or current == RunState.QUEUED:
             admission.admit_locked(group, quotas, now)
+        stream.append_state_changes(group_id, states, also=[run.pk])  # this run and any admission moved
     run.refresh_from_db()
     return run
 
@@ -405,9 +413,11 @@ def set_priority(actor, run: Run, priority: int | None) -> Run:
         quotas = locks.lock_group_quotas(group_id)
         old = Run.objects.filter(pk=run.pk).values_list("priority", flat=True).get()
         if old != priority:
+            states = stream.state_snapshot(group_id)
             Run.objects.filter(pk=run.pk).update(priority=priority, updated_at=timezone.now())
             audit.record(actor, "run.priority", run, {"priority": old}, {"priority": priority})
             admission.admit_locked(group, quotas, timezone.now())
+            stream.append_state_changes(group_id, states)
     run.refresh_from_db()
     return run
 

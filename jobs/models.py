@@ -228,6 +228,7 @@ class CheckpointRecord(models.Model):
     size = models.BigIntegerField(null=True, blank=True, help_text="Bytes")
     metrics = models.JSONField(default=dict, blank=True)
     created = models.DateTimeField(default=timezone.now)
+    pinned = models.BooleanField(default=False, help_text="Kept by the retention policy and not deletable")
 
     class Meta:
         ordering = ["run_id", "step", "pk"]
@@ -320,3 +321,49 @@ class ConfigVersion(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} config v{self.number}"
+
+
+# --- Live UI: the per-run stream (jobs.stream) and checkpoint pins (jobs.checkpoints) ---------------------
+
+
+class RunStreamCounter(models.Model):
+    """The last sequence number handed out in a run's stream.
+
+    A row of its own (not a column of Run) so that allocating a number locks this row only:
+    the lock is held to the end of the appending transaction, so a run's entries commit in
+    seq order and a rolled-back append gives its number back (no gaps).
+    """
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="stream_counter")
+    last_seq = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} stream at {self.last_seq}"
+
+
+class StreamType(models.TextChoices):
+    METRICS = "metrics"
+    STATE = "state"
+    ROLE = "role"
+    EVENT = "event"
+    COMMAND = "command"
+    CHECKPOINT = "checkpoint"
+    CONFIG = "config"
+    REWOUND = "rewound"
+
+
+class RunStreamEntry(models.Model):
+    """One change a viewer of a run sees, numbered gap-free per run (``seq`` from 1). Append with jobs.stream."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="stream_entries", db_index=False)
+    seq = models.BigIntegerField()
+    type = models.CharField(max_length=12, choices=StreamType.choices)
+    data = models.JSONField(default=dict)
+    created = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run_id", "seq"]
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="runstreamentry_unique_seq")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} #{self.seq} {self.type}"

@@ -1,4 +1,8 @@
-"""Server-rendered pages: experiments, runs, resource groups, submitting a run, the API docs.
+"""Server-rendered pages: experiments, runs, the cluster, checkpoints, quotas, submitting a run, the API docs.
+
+The live parts (charts, controls, state changes) are ES modules in frontend/js/
+fed by the REST API and the per-run WebSocket stream; these views render the
+first paint and embed what the scripts need as JSON.
 
 Every page but the API docs needs a login; what a user sees is limited to
 their teams exactly as in the API (another team's run is a 404). Changes go
@@ -8,25 +12,40 @@ through jobs.handler, as in the API.
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 import yaml
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.db.models import Count, Q
+from django.db.models import Count, JSONField, OuterRef, Q, Subquery
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from jobs import handler
-from jobs.models import Experiment, Run
+from jobs import commands, handler
+from jobs.models import (
+    CheckpointRecord,
+    Command,
+    ConfigVersion,
+    Experiment,
+    MetricPoint,
+    Run,
+    RunEvent,
+    RunStreamCounter,
+)
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import permissions as perms
 from rlplatform.api import annotate_group_usage
-from rlplatform.models import Host, Role
+from rlplatform.models import Host, Quota, Role
+from runtime import metrics as m
 
 PAGE_SIZE = 50
+# Devices with an unreleased allocation. The pk test matters: through the LEFT JOIN, a device
+# with no allocation at all also has released_at NULL.
+_HOLDING = Q(devices__allocations__pk__isnull=False, devices__allocations__released_at__isnull=True)
 SPEC_PLACEHOLDER = """# A run spec (YAML). Every field has a default; see runtime/spec.py.
 name: my-run
 pipeline:
@@ -67,6 +86,7 @@ def experiment(request: HttpRequest, pk: int) -> HttpResponse:
     if state in RunState.__members__:
         runs = runs.filter(state=state)
     page = Paginator(runs, PAGE_SIZE).get_page(request.GET.get("page"))
+    _attach_key_metrics(page.object_list)
     context = {
         "experiment": exp,
         "page": page,
@@ -77,6 +97,105 @@ def experiment(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "jobs/experiment.html", context)
 
 
+# The run page's chart groups: (group, [(chart title, [metric names])]); names are runtime.metrics'.
+CHART_GROUPS = [
+    (
+        "Reward & accuracy",
+        [
+            ("Reward", [m.REWARD_MEAN, m.REWARD_STD]),
+            ("Accuracy", [m.ACCURACY, m.EVAL_ACCURACY]),
+            ("Response length", [m.RESPONSE_LEN_MEAN, m.RESPONSE_LEN_MAX]),
+        ],
+    ),
+    (
+        "Losses",
+        [
+            ("Policy / value loss", [m.LOSS_POLICY, m.LOSS_VALUE]),
+            ("KL", [m.LOSS_KL, m.KL_REF]),
+            ("Entropy", [m.ENTROPY]),
+            ("Clip fraction", [m.CLIP_FRACTION]),
+            ("Grad norm", [m.GRAD_NORM]),
+            ("Learning rate", [m.LR]),
+        ],
+    ),
+    (
+        "Pipeline",
+        [
+            ("Staleness", [m.STALENESS_MEAN, m.STALENESS_MAX]),
+            ("Sample queue", [m.QUEUE_DEPTH, m.QUEUE_WATERMARK]),
+            ("Dropped stale samples", [m.SAMPLES_DROPPED_STALE]),
+            ("Bubbles", [m.BUBBLE_TRAINER, m.PADDING_RATIO]),
+            ("Weights version", [m.WEIGHTS_VERSION]),
+        ],
+    ),
+    (
+        "Throughput & time split",
+        [
+            ("Tokens / s", [m.GEN_TOKENS_PER_S, m.TRAIN_TOKENS_PER_S]),
+            ("Samples / s", [m.SAMPLES_PER_S]),
+            ("Time split (s)", [m.TIME_GENERATE, m.TIME_TRAIN, m.TIME_WEIGHT_SYNC, m.TIME_WAIT]),
+        ],
+    ),
+    (
+        "Consistency",
+        [
+            ("Engine vs trainer log-prob gap", [m.CONSISTENCY_DIFF_MEAN, m.CONSISTENCY_DIFF_MAX]),
+            ("Engine-trainer KL", [m.CONSISTENCY_KL]),
+        ],
+    ),
+]
+
+
+def _checkpoint_row(c: CheckpointRecord) -> dict:
+    return {"id": c.pk, "step": c.step, "weight_version": c.weight_version, "size": c.size, "metrics": c.metrics}
+
+
+def _command_row(c: Command) -> dict:
+    return {"id": c.pk, "kind": c.kind, "state": c.state, "message": c.message}
+
+
+def _dotted(data, dotted: str):
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _stream_seq(run: Run) -> int:
+    return RunStreamCounter.objects.filter(run=run).values_list("last_seq", flat=True).first() or 0
+
+
+def config_diffs(versions: list[ConfigVersion], base: dict) -> list[dict]:
+    """Each config version with what it changed against the parameters in force before it."""
+    current = dict(base)
+    rows = []
+    for v in versions:
+        changes = [
+            {"param": key, "before": current.get(key), "after": value}
+            for key, value in sorted(v.params.items())
+            if current.get(key) != value
+        ]
+        current.update(v.params)
+        rows.append({"number": v.number, "params": v.params, "changes": changes, "created": v.created_at})
+    return rows
+
+
+# The runs table's "key metrics": from each run's newest live point (one subquery per page of runs).
+KEY_METRICS = (m.REWARD_MEAN, m.ACCURACY, m.STALENESS_MEAN)
+
+
+def _attach_key_metrics(runs) -> None:
+    ids = [r.pk for r in runs]
+    newest = MetricPoint.objects.live().filter(run=OuterRef("pk")).order_by("-step", "-pk").values("metrics")[:1]
+    latest = dict(
+        Run.objects.filter(pk__in=ids)
+        .annotate(last=Subquery(newest, output_field=JSONField()))
+        .values_list("pk", "last")
+    )
+    for run in runs:
+        values = latest.get(run.pk) or {}
+        run.key_metrics = [(key, values[key]) for key in KEY_METRICS if isinstance(values.get(key), int | float)]
+
+
 @login_required
 def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
     run = get_object_or_404(_visible_runs(request.user), pk=pk)
@@ -84,15 +203,74 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         f"{a.device.host.name}:{a.device.index}"
         for a in run.allocations.active().select_related("device__host").order_by("device__host__name", "device__index")
     ]
+    can_edit = perms.can_edit(request.user, run.experiment.team_id)
+    checkpoints = list(run.checkpoints.order_by("-step", "-pk")[:200])
+    versions = list(ConfigVersion.objects.filter(run=run).order_by("number"))
+    base_params = {key: _dotted(run.resolved_spec, key) for key in commands.SAFE_PARAMS}
+    live = {
+        "run": run.pk,
+        "state": run.state,
+        "can_edit": can_edit,
+        # Which controls each state allows (jobs.commands.ALLOWED_FROM); the server re-checks every one.
+        "allowed": {str(kind): sorted(st.value for st in states) for kind, states in commands.ALLOWED_FROM.items()},
+        "groups": [{"title": g, "charts": [{"title": t, "keys": k} for t, k in charts]} for g, charts in CHART_GROUPS],
+        "checkpoints": [_checkpoint_row(c) for c in checkpoints],
+        "params": commands.effective_params(run),
+        "start": (run.started_at or run.submitted_at).timestamp(),
+        # The page shows everything up to here (tables rendered now, charts fetched after): the stream resumes after it.
+        "stream_seq": _stream_seq(run),
+    }
     context = {
         "run": run,
         "devices": devices,
         "queue": handler.queue_info(run),
-        "can_cancel": RunState(run.state) in CANCELLABLE_STATES
-        and perms.can_edit(request.user, run.experiment.team_id),
+        "can_cancel": RunState(run.state) in CANCELLABLE_STATES and can_edit,
+        "can_edit": can_edit,
         "resolved_spec": _yaml(run.resolved_spec),
+        "live": live,
+        "chart_groups": CHART_GROUPS,
+        "roles": run.heartbeats.order_by("role", "-attempt"),
+        "events": RunEvent.objects.filter(run=run).order_by("-time", "-pk")[:50],
+        "commands": Command.objects.filter(run=run).order_by("-pk")[:20],
+        "configs": list(reversed(config_diffs(versions, base_params))),
+        "checkpoints": checkpoints,
+        "safe_params": commands.SAFE_PARAMS,
     }
     return render(request, "jobs/run.html", context)
+
+
+@login_required
+def run_checkpoints(request: HttpRequest, pk: int) -> HttpResponse:
+    """The checkpoint browser of one run: rows come from GET /api/runs/<id>/checkpoints/ (frontend/js)."""
+    run = get_object_or_404(_visible_runs(request.user), pk=pk)
+    context = {
+        "run": run,
+        "can_edit": perms.can_edit(request.user, run.experiment.team_id),
+        "stream_seq": _stream_seq(run),
+    }
+    return render(request, "jobs/checkpoints.html", context)
+
+
+@login_required
+def compare(request: HttpRequest, pk: int) -> HttpResponse:
+    """Overlay a metric of chosen runs of one experiment (``?runs=1,2&key=reward/mean``)."""
+    exp = get_object_or_404(Experiment.objects.filter(team__in=perms.teams_for(request.user)), pk=pk)
+    runs = list(exp.runs.order_by("-submitted_at", "-pk")[:200])
+    chosen = [int(x) for x in request.GET.get("runs", "").split(",") if x.strip().isdigit()]
+    chosen = [r.pk for r in runs if r.pk in chosen] or [r.pk for r in runs[:3]]
+    key = request.GET.get("key") or m.REWARD_MEAN
+    context = {
+        "experiment": exp,
+        "runs": runs,
+        "chosen": chosen,
+        "key": key,
+        "metric_names": sorted(m.METRICS),
+        "live": {
+            "runs": [{"id": r.pk, "name": r.name, "seq": _stream_seq(r)} for r in runs if r.pk in chosen],
+            "key": key,
+        },
+    }
+    return render(request, "jobs/compare.html", context)
 
 
 def _yaml(data) -> str:
@@ -121,7 +299,7 @@ def groups(request: HttpRequest) -> HttpResponse:
         Host.objects.filter(group__in=visible)
         .annotate(
             n_devices=Count("devices", distinct=True),
-            n_used=Count("devices", filter=Q(devices__allocations__released_at__isnull=True), distinct=True),
+            n_used=Count("devices", filter=_HOLDING, distinct=True),
         )
         .order_by("group_id", "name")
     )
@@ -132,6 +310,117 @@ def groups(request: HttpRequest) -> HttpResponse:
         group.host_rows = by_group.get(group.pk, [])
         group.used_pct = round(100 * group.devices_used / group.devices_total) if group.devices_total else 0
     return render(request, "jobs/groups.html", {"groups": rows})
+
+
+@login_required
+def cluster(request: HttpRequest) -> HttpResponse:
+    """Devices per group and host (used / free / unhealthy), the queue with positions and reasons, budgets."""
+    visible = perms.groups_for(request.user)
+    groups_ = list(annotate_group_usage(visible).order_by("name"))
+    hosts = (
+        Host.objects.filter(group__in=visible)
+        .annotate(
+            n_devices=Count("devices", distinct=True),
+            n_used=Count("devices", filter=_HOLDING, distinct=True),
+            n_unhealthy=Count("devices", filter=Q(devices__healthy=False), distinct=True),
+        )
+        .order_by("group_id", "name")
+    )
+    by_group: dict[int, list[Host]] = {}
+    for host in hosts:
+        host.n_free = max(host.n_devices - host.n_used - host.n_unhealthy, 0)
+        by_group.setdefault(host.group_id, []).append(host)
+    queued = (
+        _visible_runs(request.user)
+        .filter(state=RunState.QUEUED)
+        .select_related("experiment__group")
+        .order_by("experiment__group__name", "queue_position", "pk")
+    )
+    quotas = Quota.objects.filter(team__in=perms.teams_for(request.user)).select_related("team", "group")
+    for group in groups_:
+        group.host_rows = by_group.get(group.pk, [])
+        group.used_pct = round(100 * group.devices_used / group.devices_total) if group.devices_total else 0
+        group.queue = [r for r in queued if r.experiment.group_id == group.pk]
+    budgets = [
+        {
+            "quota": q,
+            "used": q.device_seconds_used / 3600,
+            "pct": min(round(100 * q.device_seconds_used / 3600 / q.device_hour_budget), 100)
+            if q.device_hour_budget
+            else None,
+        }
+        for q in quotas.order_by("team__name", "group__name", "name")
+    ]
+    return render(request, "jobs/cluster.html", {"groups": groups_, "budgets": budgets})
+
+
+QUOTA_FIELDS = ("max_devices", "max_concurrent_runs", "max_rollout_workers", "priority", "device_hour_budget")
+
+
+class QuotaForm(forms.Form):
+    """One quota's limits; values are checked again by jobs.handler.update_quota (its errors land at the field)."""
+
+    max_devices = forms.IntegerField(min_value=0)
+    max_concurrent_runs = forms.IntegerField(min_value=0)
+    max_rollout_workers = forms.IntegerField(min_value=0)
+    priority = forms.IntegerField()
+    device_hour_budget = forms.FloatField(required=False, min_value=0, help_text="Empty = unlimited")
+
+
+_TERMINAL_OR_QUEUED = {
+    RunState.QUEUED,
+    RunState.COMPLETED,
+    RunState.FAILED,
+    RunState.CANCELLED,
+    RunState.PREEMPTED,
+}
+
+
+def _quota_usage(quota: Quota) -> dict:
+    runs = Run.objects.filter(experiment__quota=quota)
+    active = runs.filter(state__in=[s.value for s in RunState if s not in _TERMINAL_OR_QUEUED])
+    return {
+        "devices": sum(active.values_list("devices_requested", flat=True)),
+        "runs": active.count(),
+        "rollout_workers": sum(active.values_list("rollout_workers", flat=True)),
+        "queued": runs.filter(state=RunState.QUEUED).count(),
+        "device_hours": quota.device_seconds_used / 3600,
+    }
+
+
+@login_required
+def quotas(request: HttpRequest) -> HttpResponse:
+    """Platform staff set each quota's limits; every change is audited (jobs.handler.update_quota)."""
+    if not perms.can_manage_groups(request.user):
+        return HttpResponse("Only platform staff can change quotas.", status=403)
+    rows = list(Quota.objects.select_related("team", "group").order_by("team__name", "group__name", "name"))
+    status = 200
+    bound: dict[int, QuotaForm] = {}
+    if request.method == "POST":
+        raw = request.POST.get("quota", "")
+        quota = get_object_or_404(Quota, pk=int(raw) if raw.isdigit() else 0)
+        form = QuotaForm(request.POST, prefix=f"q{quota.pk}")
+        if form.is_valid():
+            try:
+                handler.update_quota(request.user, quota, **form.cleaned_data)
+            except handler.InvalidInput as exc:
+                for err in exc.errors:
+                    form.add_error(err["field"] if err["field"] in QUOTA_FIELDS else None, err["message"])
+            else:
+                messages.success(request, f"Quota {quota.team.name} / {quota.name} saved.")
+                return redirect("jobs:quotas")
+        bound[quota.pk] = form
+        status = 400
+    for q in rows:
+        q.form = bound.get(q.pk) or QuotaForm(initial={f: getattr(q, f) for f in QUOTA_FIELDS}, prefix=f"q{q.pk}")
+        q.usage = _quota_usage(q)
+    return render(request, "jobs/quotas.html", {"quotas": rows}, status=status)
+
+
+def _examples() -> dict[str, str]:
+    """The example specs under examples/ by file name (the submit page's seeds)."""
+    folder = Path(settings.BASE_DIR) / "examples"
+    return {p.name: p.read_text() for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
 
 
 class SubmitForm(forms.Form):
@@ -185,7 +474,8 @@ def submit(request: HttpRequest) -> HttpResponse:
             initial["experiment"] = int(request.GET["experiment"])
         form = SubmitForm(initial=initial, user=request.user)
     status = 400 if request.method == "POST" else 200
-    return render(request, "jobs/submit.html", {"form": form, "spec_errors": spec_errors}, status=status)
+    context = {"form": form, "spec_errors": spec_errors, "examples": _examples()}
+    return render(request, "jobs/submit.html", context, status=status)
 
 
 # --- API docs (no CDN: the schema rendered on the server) ---------------------------------------------

@@ -1,4 +1,9 @@
-"""ASGI entry point: HTTP through Django; WebSockets join here when the live UI lands."""
+"""ASGI entry point: HTTP through Django, WebSockets (the live UI, jobs.routing) through Channels.
+
+WebSockets are authenticated by the Django session (AuthMiddlewareStack) and
+only accepted from origins in ALLOWED_HOSTS, so another site cannot open one
+with the user's cookie.
+"""
 
 import os
 
@@ -6,9 +11,18 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "rlplatform.settings")
 
-# Django must be set up before anything imports models (consumers will).
+# Django must be set up before anything imports models (the consumers do).
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from jobs.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)

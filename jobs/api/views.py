@@ -24,7 +24,7 @@ from jobs.models import Experiment, Run
 from jobs.states import TERMINAL_STATES, RunState
 from rlplatform import permissions as perms
 from rlplatform.api import APIViewMixin, ErrorsSerializer
-from rlplatform.models import Quota, ResourceGroup, Role
+from rlplatform.models import Quota, ResourceGroup, Team
 
 WAIT_DEFAULT_S = 30.0
 WAIT_MAX_S = 300.0
@@ -36,6 +36,7 @@ WAIT_POLL_MAX_S = 2.0
 # Sleeps at least this long hand the database connection back, so long waits
 # do not pin one PostgreSQL connection each (max_connections is finite).
 WAIT_RELEASE_CONNECTION_S = 1.0
+QUOTA_STAFF_ONLY = "quotas are set by platform administrators (staff, signed in); team members can read them"
 
 
 class JobsAPIViewMixin(APIViewMixin):
@@ -269,42 +270,56 @@ class QuotaViewSet(
     mixins.UpdateModelMixin,
     viewsets.GenericViewSet,
 ):
-    """Quotas of your teams. Members read; team admins create and change them (audited).
+    """Quotas. Members read their teams' quotas; platform staff (signed in, not by token) see,
+    create and change every quota (audited).
 
+    Team admins may not: teams share a group's devices, so a team raising its own
+    device cap or priority would take devices from the others.
     Lowering a limit below current use stops nothing: new admissions wait.
     """
 
     serializer_class = s.QuotaSerializer
 
+    def _is_staff(self) -> bool:
+        return perms.can_manage_groups(self.request.user, self.token)
+
     def get_queryset(self):
-        qs = Quota.objects.filter(team__in=self.team_scope())
+        qs = Quota.objects.all() if self._is_staff() else Quota.objects.filter(team__in=self.team_scope())
         return qs.select_related("team", "group").order_by("team_id", "group_id", "name")
 
-    @extend_schema(request=s.QuotaCreateSerializer, responses={201: s.QuotaSerializer, 400: ErrorsSerializer})
+    @extend_schema(
+        request=s.QuotaCreateSerializer, responses={201: s.QuotaSerializer, 400: ErrorsSerializer, 403: None}
+    )
     def create(self, request, *args, **kwargs):
+        _require(self._is_staff(), QUOTA_STAFF_ONLY)
         data = s.QuotaCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         values = dict(data.validated_data)
-        team = _pick_team(request.user, self.token, values.pop("team"))
-        _require(perms.can_admin(request.user, team, self.token), f"only admins of team {team.name} manage quotas")
-        group = _visible_group(request.user, self.token, str(values.pop("group")))
+        team_id, group_id = values.pop("team"), values.pop("group")
+        team = Team.objects.filter(pk=team_id).first()
+        if team is None:
+            raise handler.InvalidInput.one("team", f"no team {team_id}")
+        group = ResourceGroup.objects.filter(pk=group_id).first()
+        if group is None:
+            raise handler.InvalidInput.one("group", f"no resource group {group_id}")
         if not group.teams.filter(pk=team.pk).exists():
             raise handler.InvalidInput.one("group", f"resource group {group.name} is not granted to team {team.name}")
         quota = handler.create_quota(request.user, team, group, values.pop("name"), **values)
         return Response(s.QuotaSerializer(quota).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=s.QuotaUpdateSerializer, responses={200: s.QuotaSerializer, 400: ErrorsSerializer})
+    @extend_schema(
+        request=s.QuotaUpdateSerializer, responses={200: s.QuotaSerializer, 400: ErrorsSerializer, 403: None}
+    )
     def update(self, request, *args, **kwargs):
-        quota = self.get_object()
-        _require(
-            perms.has_role(request.user, quota.team_id, Role.ADMIN, self.token),
-            f"only admins of team {quota.team.name} manage quotas",
-        )
+        quota = self.get_object()  # a quota of another team is a 404, as everywhere
+        _require(self._is_staff(), QUOTA_STAFF_ONLY)
         data = s.QuotaUpdateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         quota = handler.update_quota(request.user, quota, **data.validated_data)
         return Response(s.QuotaSerializer(quota).data)
 
-    @extend_schema(request=s.QuotaUpdateSerializer, responses={200: s.QuotaSerializer, 400: ErrorsSerializer})
+    @extend_schema(
+        request=s.QuotaUpdateSerializer, responses={200: s.QuotaSerializer, 400: ErrorsSerializer, 403: None}
+    )
     def partial_update(self, request, *args, **kwargs):
         return self.update(request, *args, **kwargs)

@@ -22,7 +22,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from jobs import commands
+from jobs import commands, stream
 from jobs.handler import InvalidInput
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, RunEvent, RunToken
 
@@ -274,7 +274,19 @@ def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
     batch = parse_batch(token, body)
     with transaction.atomic():
         counts = store_points(token, batch.points)
+        new_events: list[dict[str, Any]] = []
+        new_checkpoints: list[CheckpointRecord] = []
         if batch.events:
+            # Replayed events are stored once (ignore_conflicts) and must reach the stream once too.
+            seen = set(
+                RunEvent.objects.filter(
+                    run_id=token.run_id,
+                    attempt=token.attempt,
+                    role=batch.role,
+                    seq__in=[e["seq"] for e in batch.events],
+                ).values_list("seq", flat=True)
+            )
+            new_events = [e for e in batch.events if e["seq"] not in seen]
             RunEvent.objects.bulk_create(
                 [
                     RunEvent(
@@ -292,9 +304,39 @@ def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
             )
             checkpoints = [c for c in (_checkpoint_from_event(token, e) for e in batch.events) if c is not None]
             if checkpoints:
+                paths = [c.path for c in checkpoints]
+                known = set(
+                    CheckpointRecord.objects.filter(run_id=token.run_id, path__in=paths).values_list("path", flat=True)
+                )
                 CheckpointRecord.objects.bulk_create(checkpoints, ignore_conflicts=True)
+                fresh = [p for p in paths if p not in known]
+                new_checkpoints = list(CheckpointRecord.objects.filter(run_id=token.run_id, path__in=fresh))
+        _stream_batch(token, batch, counts, new_events, new_checkpoints)
         delivered = commands.deliver(token.run_id)
     return {"points": counts, "events": len(batch.events), "commands": delivered}
+
+
+def _stream_batch(token, batch: Batch, counts: dict[str, int], events, checkpoints) -> None:
+    """What the batch changed, for the live UI (jobs.stream); a pure replay appends nothing."""
+    entries: list[tuple[str, dict[str, Any]]] = []
+    if counts["inserted"] or counts["merged"]:
+        points = [{"step": s, "time": t, "values": m} for s, (t, m) in sorted(batch.points.items())]
+        entries.append(("metrics", {"attempt": token.attempt, "points": points}))
+    for e in events:
+        entries.append(("event", {"kind": e["kind"], "payload": e["payload"], "role": batch.role, "time": e["time"]}))
+    for record in checkpoints:
+        entries.append(("checkpoint", checkpoint_entry(record)))
+    stream.append_many(token.run_id, entries)
+
+
+def checkpoint_entry(record: CheckpointRecord) -> dict[str, Any]:
+    return {
+        "id": record.pk,
+        "step": record.step,
+        "weight_version": record.weight_version,
+        "size": record.size,
+        "metrics": record.metrics,
+    }
 
 
 def register_checkpoint(token: RunToken, body: Any) -> dict[str, Any]:
@@ -340,6 +382,7 @@ def register_checkpoint(token: RunToken, body: Any) -> dict[str, Any]:
             update_fields=["attempt", "step", "weight_version", "size", "metrics"],
         )
         record = CheckpointRecord.objects.get(run_id=token.run_id, path=path)
+        stream.append(token.run_id, "checkpoint", checkpoint_entry(record))
         delivered = commands.deliver(token.run_id)
     return {"checkpoint": record.pk, "commands": delivered}
 
@@ -362,6 +405,11 @@ def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
     errors.raise_any()
     now = timezone.now()
     with transaction.atomic():
+        previous = (
+            RoleHeartbeat.objects.filter(run_id=token.run_id, role=role, attempt=token.attempt)
+            .values_list("status", flat=True)
+            .first()
+        )
         RoleHeartbeat.objects.bulk_create(
             [
                 RoleHeartbeat(
@@ -378,6 +426,14 @@ def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
             unique_fields=["run", "role", "attempt"],
             update_fields=["status", "info", "last_seen"],
         )
+        if previous != status:
+            # Only news goes to the stream (a role appears or changes status); the roles API has last_seen.
+            host = info.get("host") if isinstance(info.get("host"), str) else ""
+            stream.append(
+                token.run_id,
+                "role",
+                {"role": role, "status": status, "host": host, "attempt": token.attempt, "last_seen": now.timestamp()},
+            )
         delivered = commands.deliver(token.run_id)
     return {"commands": delivered}
 

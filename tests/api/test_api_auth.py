@@ -48,6 +48,20 @@ ENDPOINTS = [
     ("get", "/api/runs/1/"),
     ("post", "/api/runs/1/cancel/"),
     ("get", "/api/runs/1/wait/"),
+    # The live UI's routes (jobs.api.live)
+    ("get", "/api/runs/1/metrics/"),
+    ("get", "/api/runs/1/metrics/keys/"),
+    ("get", "/api/runs/1/commands/"),
+    ("post", "/api/runs/1/commands/"),
+    ("get", "/api/runs/1/checkpoints/"),
+    ("get", "/api/runs/1/roles/"),
+    ("get", "/api/runs/1/events/"),
+    ("get", "/api/runs/1/config-versions/"),
+    ("get", "/api/checkpoints/1/"),
+    ("delete", "/api/checkpoints/1/"),
+    ("get", "/api/checkpoints/1/files/model.safetensors/"),
+    ("post", "/api/checkpoints/1/pin/"),
+    ("post", "/api/checkpoints/1/unpin/"),
 ]
 
 
@@ -55,7 +69,7 @@ def test_the_endpoint_list_covers_every_route_of_the_user_api():
     from rlplatform.urls import router
 
     routes = {str(pattern.pattern) for pattern in router.urls}
-    assert len(routes) == 21
+    assert len(routes) == 32
     listed = [path.lstrip("/") for _m, path in ENDPOINTS]
     for route in routes:
         regex = re.compile(route.replace("^", "^api/"))

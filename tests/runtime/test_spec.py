@@ -22,7 +22,12 @@ def test_defaults_resolve_to_a_complete_spec():
 def test_yaml_text_and_overrides_are_typed():
     spec = load_spec(
         "pipeline:\n  mode: async\nrollout:\n  temperature: 0.7\n",
-        ["pipeline.steps=3", "algorithm.kl_coef=0.05", "model.reference=false", "checkpoint.keep_best_metric=eval/accuracy"],
+        [
+            "pipeline.steps=3",
+            "algorithm.kl_coef=0.05",
+            "model.reference=false",
+            "checkpoint.keep_best_metric=eval/accuracy",
+        ],
     )
     assert spec.pipeline.mode == "async"
     assert spec.pipeline.steps == 3
@@ -49,7 +54,11 @@ def test_spec_file_is_loaded(tmp_path):
         ({"pipeline": {"steps": -1}}, "pipeline.steps", "greater than or equal to 1"),
         ({"resources": {"trainer_devices": 100000}}, "resources.trainer_devices", "less than or equal"),
         ({"algorithm": {"group_size": 1}}, "algorithm.group_size", "at least 2"),
-        ({"pipeline": {"mode": "colocated"}, "resources": {"rollout_devices": 2}}, "resources.rollout_devices", "colocated"),
+        (
+            {"pipeline": {"mode": "colocated"}, "resources": {"rollout_devices": 2}},
+            "resources.rollout_devices",
+            "colocated",
+        ),
         ({"task": {"name": "jsonl"}}, "task", "needs `path`"),
         ({"rollout": {"top_p": 0}}, "rollout.top_p", "greater than 0"),
     ],

@@ -46,4 +46,6 @@ class Command(BaseCommand):
         Experiment.objects.get_or_create(
             team=team, name="demo", defaults={"group": group, "quota": quota, "created_by": user}
         )
-        self.stdout.write(f"demo user: {DEMO_USER} / {DEMO_PASSWORD} (team 'demo', group 'local-cpu', {devices} devices)")
+        self.stdout.write(
+            f"demo user: {DEMO_USER} / {DEMO_PASSWORD} (team 'demo', group 'local-cpu', {devices} devices)"
+        )

@@ -1,0 +1,161 @@
+"""WebSocket consumers of the live UI: one run's stream (``ws/runs/<id>/``) and the runs list (``ws/runs/``).
+
+Thin: authenticate from the session, check the team, join the channel groups,
+relay. Close codes: 4401 without a signed-in user, 4404 for a run the user may
+not see (another team's looks like a missing one).
+
+Run protocol (docs/live-ui-backend.md): the client sends
+``{"type": "subscribe", "after": n}``; the server sends every entry with
+seq > n in order, then ``{"type": "live", "seq": m}``, then live entries. The
+consumer joins the group before reading the backlog, and handles one message
+at a time, so live entries that arrive meanwhile wait in its channel; each one
+is dropped when seq <= the last sent, and when it skips ahead the missing
+entries are read from the table first — so no gap and no duplicate, even
+when sends race or a full channel drops some.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from jobs import stream
+from jobs.models import Run, RunStreamEntry
+from jobs.states import TERMINAL_STATES
+from rlplatform import permissions as perms
+
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_NOT_FOUND = 4404
+CLOSE_BAD_MESSAGE = 4400
+BACKLOG_CHUNK = 500
+
+
+def _user(scope):
+    user = scope.get("user")
+    return user if user is not None and user.is_authenticated and user.is_active else None
+
+
+@database_sync_to_async
+def _visible_run(user, run_id: int) -> Run | None:
+    run = Run.objects.filter(pk=run_id).select_related("experiment").first()
+    if run is None or not perms.can_view(user, run.experiment.team_id):
+        return None
+    return run
+
+
+@database_sync_to_async
+def _entries(run_id: int, after: int, upto: int | None = None) -> list[dict[str, Any]]:
+    qs = RunStreamEntry.objects.filter(run_id=run_id, seq__gt=after)
+    if upto is not None:
+        qs = qs.filter(seq__lte=upto)
+    rows = qs.order_by("seq").values_list("seq", "type", "data")[:BACKLOG_CHUNK]
+    return [{"seq": seq, "type": type_, "data": data} for seq, type_, data in rows]
+
+
+class RunConsumer(AsyncJsonWebsocketConsumer):
+    """One run's stream: backlog after a sequence number, then live entries."""
+
+    async def connect(self):
+        await self.accept()  # accept first so the browser sees our close code (a refused handshake is 1006)
+        user = _user(self.scope)
+        if user is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        run = await _visible_run(user, int(self.scope["url_route"]["kwargs"]["run_id"]))
+        if run is None:
+            await self.close(code=CLOSE_NOT_FOUND)
+            return
+        self.run_id = run.pk
+        self.last_sent: int | None = None  # None until subscribed: live entries before that are ignored
+        await self.channel_layer.group_add(stream.run_group(self.run_id), self.channel_name)
+
+    async def disconnect(self, code):
+        if getattr(self, "run_id", None) is not None:
+            await self.channel_layer.group_discard(stream.run_group(self.run_id), self.channel_name)
+
+    async def receive_json(self, content, **kwargs):
+        if getattr(self, "run_id", None) is None:
+            return
+        after = content.get("after", 0) if isinstance(content, dict) else None
+        if (
+            not isinstance(content, dict)
+            or content.get("type") != "subscribe"
+            or isinstance(after, bool)
+            or not isinstance(after, int)
+            or after < 0
+        ):
+            await self.send_json(
+                {"type": "error", "field": "after", "message": 'send {"type": "subscribe", "after": n}'}
+            )
+            return
+        self.last_sent = after
+        await self._send_from_table(upto=None)
+        await self.send_json({"type": "live", "seq": self.last_sent})
+
+    async def _send_from_table(self, upto: int | None) -> None:
+        """Send the stored entries after ``last_sent`` (up to ``upto``), in chunks."""
+        while True:
+            rows = await _entries(self.run_id, self.last_sent, upto)
+            for row in rows:
+                await self.send_json(row)
+                self.last_sent = row["seq"]
+            if len(rows) < BACKLOG_CHUNK:
+                return
+
+    async def stream_entries(self, message):
+        if self.last_sent is None:
+            return  # not subscribed yet: the backlog read will include these (they are committed)
+        for entry in message["entries"]:
+            seq = entry["seq"]
+            if seq <= self.last_sent:
+                continue  # already sent (backlog, gap repair, or a race between senders)
+            if seq > self.last_sent + 1:
+                await self._send_from_table(upto=seq - 1)
+            await self.send(text_data=entry["text"])  # already JSON (jobs.stream encodes once per entry)
+            self.last_sent = seq
+
+
+@database_sync_to_async
+def _runs_view(user) -> tuple[list[int], list[int], list[dict[str, Any]], list[dict[str, Any]]]:
+    teams = list(perms.teams_for(user).values_list("pk", flat=True))
+    groups = list(perms.groups_for(user).values_list("pk", flat=True))
+    rows = (
+        Run.objects.filter(experiment__team_id__in=teams)
+        .exclude(state__in=[s.value for s in TERMINAL_STATES])
+        .values("pk", "state", "reason", "queue_position", "experiment_id", "experiment__name")
+        .order_by("pk")
+    )
+    return teams, groups, [stream.run_summary(row) for row in rows], [stream.group_usage(g) for g in groups]
+
+
+class RunsConsumer(AsyncJsonWebsocketConsumer):
+    """The runs list and cluster view: a snapshot of the user's unfinished runs and group usage, then changes."""
+
+    async def connect(self):
+        await self.accept()
+        user = _user(self.scope)
+        if user is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        self.groups_joined: list[str] = []
+        teams, groups, runs, usage = await _runs_view(user)
+        # Join before sending the snapshot: a change after the snapshot read then arrives as a message.
+        for name in [stream.team_group(t) for t in teams] + [stream.cluster_group(g) for g in groups]:
+            await self.channel_layer.group_add(name, self.channel_name)
+            self.groups_joined.append(name)
+        for run in runs:
+            await self.send_json({"type": "run", "data": run})
+        for group in usage:
+            await self.send_json({"type": "cluster", "data": group})
+
+    async def disconnect(self, code):
+        for name in getattr(self, "groups_joined", []):
+            await self.channel_layer.group_discard(name, self.channel_name)
+
+    async def runs_run(self, message):
+        await self.send_json({"type": "run", "data": message["data"]})
+
+    async def runs_cluster(self, message):
+        await self.send_json({"type": "cluster", "data": message["data"]})

@@ -1,0 +1,10 @@
+"""WebSocket routes of the live UI (mounted by rlplatform.asgi)."""
+
+from django.urls import path
+
+from jobs import consumers
+
+websocket_urlpatterns = [
+    path("ws/runs/", consumers.RunsConsumer.as_asgi()),
+    path("ws/runs/<int:run_id>/", consumers.RunConsumer.as_asgi()),
+]

@@ -1,0 +1,295 @@
+"""The per-run WebSocket: backlog + live, resume without gaps or duplicates, authorisation.
+
+Through WebsocketCommunicator on rlplatform.asgi.application (Redis channel
+layer when REDIS_URL is set). Test bodies are async functions run with
+async_to_sync; database work inside them goes through sync_to_async threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+
+from jobs import stream
+from jobs.models import RunStreamCounter, RunStreamEntry
+from tests.live.helpers import communicator, receive_until_live
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _seqs(run):
+    return list(RunStreamEntry.objects.filter(run=run).order_by("seq").values_list("seq", flat=True))
+
+
+def test_backlog_then_live_in_order(run, owner, cookie_for, flush_layer):
+    # Given a run whose stream already holds its state entries and two metric batches
+    stream.append(run.pk, "metrics", {"attempt": 0, "points": [{"step": 1, "time": 1.0, "values": {"r": 0.5}}]})
+    stream.append(run.pk, "metrics", {"attempt": 0, "points": [{"step": 2, "time": 2.0, "values": {"r": 0.6}}]})
+    stored = _seqs(run)
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        connected, _ = await comm.connect()
+        assert connected
+        await comm.send_json_to({"type": "subscribe", "after": 0})
+        backlog, live = await receive_until_live(comm)
+        # When a new entry is appended after the backlog
+        seq = await sync_to_async(stream.append)(run.pk, "event", {"kind": "eval", "payload": {"acc": 0.9}})
+        message = await comm.receive_json_from(timeout=5)
+        assert await comm.receive_nothing(timeout=0.2)
+        await comm.disconnect()
+        return backlog, live, seq, message
+
+    backlog, live, seq, message = async_to_sync(scenario)()
+    # Then the backlog is every stored entry in order, the marker names the last, and the live entry follows
+    assert [m["seq"] for m in backlog] == stored == list(range(1, len(stored) + 1))
+    assert [m["type"] for m in backlog[:2]] == ["state", "state"]  # QUEUED->ADMITTED..., before the metrics
+    assert backlog[-1] == {
+        "seq": stored[-1],
+        "type": "metrics",
+        "data": {"attempt": 0, "points": [{"step": 2, "time": 2.0, "values": {"r": 0.6}}]},
+    }
+    assert live == {"type": "live", "seq": stored[-1]}
+    assert seq == stored[-1] + 1
+    assert message == {"seq": seq, "type": "event", "data": {"kind": "eval", "payload": {"acc": 0.9}}}
+
+
+def test_resume_after_a_sequence_number_sends_only_what_was_missed(run, owner, cookie_for, flush_layer):
+    for step in range(5):
+        stream.append(run.pk, "metrics", {"attempt": 0, "points": [{"step": step, "time": 0.0, "values": {}}]})
+    last = _seqs(run)[-1]
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        await comm.connect()
+        await comm.send_json_to({"type": "subscribe", "after": last - 2})
+        backlog, live = await receive_until_live(comm)
+        await comm.disconnect()
+        return backlog, live
+
+    backlog, live = async_to_sync(scenario)()
+    assert [m["seq"] for m in backlog] == [last - 1, last]
+    assert live == {"type": "live", "seq": last}
+
+
+def test_entries_appended_while_the_backlog_is_read_arrive_once_and_in_order(run, owner, cookie_for, flush_layer):
+    from django.db import connection
+
+    if connection.vendor == "sqlite":
+        pytest.skip("needs a database with concurrent writers (PostgreSQL); SQLite's test database locks the table")
+    # Given a backlog longer than one read chunk
+    stream.append_many(run.pk, [("event", {"kind": "k", "payload": {"i": i}}) for i in range(1200)])
+    cookie = cookie_for(owner)
+    extra = 60
+
+    def writer(started: threading.Event):
+        from django.db import connection
+
+        started.wait(5)
+        try:
+            for i in range(extra):
+                stream.append(run.pk, "event", {"kind": "late", "payload": {"i": i}})
+        finally:
+            connection.close()
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        await comm.connect()
+        started = threading.Event()
+        thread = threading.Thread(target=writer, args=(started,))
+        thread.start()
+        # When entries are appended by another thread while the backlog streams out
+        await comm.send_json_to({"type": "subscribe", "after": 0})
+        started.set()
+        received, total = [], None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            # receive_nothing waits without killing the app (a receive timeout cancels it)
+            message = None if await comm.receive_nothing(timeout=0.2) else await comm.receive_json_from(timeout=5)
+            if message is not None and message.get("type") != "live":
+                received.append(message["seq"])
+            if not thread.is_alive():  # every late entry is committed: the last seq is final
+                total = await sync_to_async(lambda: _seqs(run)[-1])()
+                if received and received[-1] >= total:
+                    break
+        thread.join()
+        assert await comm.receive_nothing(timeout=0.3)
+        await comm.disconnect()
+        return received, total
+
+    received, total = async_to_sync(scenario)()
+    # Then every seq 1..total arrived exactly once, in order
+    assert received == list(range(1, total + 1))
+    assert RunStreamEntry.objects.filter(run=run, type="event", data__kind="late").count() == extra
+
+
+def test_lost_live_messages_are_repaired_from_the_table(run, owner, cookie_for, flush_layer):
+    cookie = cookie_for(owner)
+
+    def commit_silently(n):
+        # Entries committed but whose messages never reached the channel layer (e.g. a full channel).
+        counter, _ = RunStreamCounter.objects.get_or_create(run=run)
+        RunStreamEntry.objects.bulk_create(
+            RunStreamEntry(run=run, seq=counter.last_seq + 1 + i, type="event", data={"kind": "silent"})
+            for i in range(n)
+        )
+        RunStreamCounter.objects.filter(pk=run.pk).update(last_seq=counter.last_seq + n)
+        return counter.last_seq
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        await comm.connect()
+        await comm.send_json_to({"type": "subscribe", "after": 0})
+        _, live = await receive_until_live(comm)
+        before = await sync_to_async(commit_silently)(3)
+        seq = await sync_to_async(stream.append)(run.pk, "event", {"kind": "loud", "payload": {}})
+        got = [await comm.receive_json_from(timeout=5) for _ in range(4)]
+        assert await comm.receive_nothing(timeout=0.2)
+        await comm.disconnect()
+        return live, before, seq, got
+
+    live, before, seq, got = async_to_sync(scenario)()
+    assert live["seq"] == before
+    assert [m["seq"] for m in got] == [before + 1, before + 2, before + 3, seq]
+    assert [m["data"]["kind"] for m in got] == ["silent", "silent", "silent", "loud"]
+
+
+def test_viewer_may_subscribe(run, viewer, cookie_for, flush_layer):
+    cookie = cookie_for(viewer)
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        connected, _ = await comm.connect()
+        await comm.send_json_to({"type": "subscribe", "after": 0})
+        backlog, live = await receive_until_live(comm)
+        await comm.disconnect()
+        return connected, backlog, live
+
+    connected, backlog, live = async_to_sync(scenario)()
+    assert connected
+    assert [m["seq"] for m in backlog] == _seqs(run)
+    assert live["seq"] == _seqs(run)[-1]
+
+
+@pytest.mark.parametrize(
+    "who, path, code",
+    [
+        (None, "/ws/runs/{run}/", 4401),
+        ("outsider", "/ws/runs/{run}/", 4404),
+        ("owner", "/ws/runs/999999/", 4404),
+        (None, "/ws/runs/", 4401),
+    ],
+)
+def test_refused_sockets_are_closed_with_a_code(run, outsider, owner, cookie_for, flush_layer, who, path, code):
+    cookie = cookie_for({"outsider": outsider, "owner": owner}[who]) if who else None
+    stream.append(run.pk, "event", {"kind": "secret", "payload": {}})
+
+    async def scenario():
+        comm = communicator(path.format(run=run.pk), cookie)
+        await comm.connect()
+        return await comm.receive_output(timeout=5)
+
+    closed = async_to_sync(scenario)()
+    assert closed == {"type": "websocket.close", "code": code}
+
+
+def test_foreign_origin_is_refused(run, owner, cookie_for, flush_layer):
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie, origin=b"http://evil.example")
+        return await comm.connect()
+
+    connected, _code = async_to_sync(scenario)()
+    assert connected is False
+
+
+def test_bad_subscribe_gets_an_error_naming_the_field(run, owner, cookie_for, flush_layer):
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        await comm.connect()
+        await comm.send_json_to({"type": "subscribe", "after": "x"})
+        message = await comm.receive_json_from(timeout=5)
+        await comm.disconnect()
+        return message
+
+    assert async_to_sync(scenario)() == {
+        "type": "error",
+        "field": "after",
+        "message": 'send {"type": "subscribe", "after": n}',
+    }
+
+
+def test_runs_list_socket_sends_own_teams_runs_then_changes(
+    run, experiment_b, owner, outsider, submit, cookie_for, flush_layer
+):
+    from jobs import handler
+
+    foreign = submit(experiment_b, actor=outsider)
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        comm = communicator("/ws/runs/", cookie)
+        connected, _ = await comm.connect()
+        first = [await comm.receive_json_from(timeout=5) for _ in range(2)]
+        assert await comm.receive_nothing(timeout=0.2)
+        # When the run is paused
+        await sync_to_async(handler.transition)(run, "PAUSED")
+        changes = []
+        while True:
+            message = await comm.receive_json_from(timeout=5)
+            changes.append(message)
+            if message["type"] == "cluster":
+                break
+        await comm.disconnect()
+        return connected, first, changes
+
+    connected, first, changes = async_to_sync(scenario)()
+    assert connected
+    assert first[0] == {
+        "type": "run",
+        "data": {
+            "id": run.pk,
+            "state": "RUNNING",
+            "reason": "",
+            "queue_position": None,
+            "experiment": {"id": run.experiment_id, "name": "exp-a"},
+        },
+    }
+    assert first[1]["type"] == "cluster"
+    assert first[1]["data"]["name"] == "cpu-local"
+    assert first[1]["data"]["devices_total"] == 8
+    assert first[1]["data"]["devices_used"] == 2  # this run and team B's
+    run_messages = [m for m in changes if m["type"] == "run"]
+    assert [m["data"]["id"] for m in run_messages] == [run.pk]  # team B's run never shows up
+    assert run_messages[0]["data"]["state"] == "PAUSED"
+    assert foreign.pk not in [m["data"]["id"] for m in first + changes if m["type"] == "run"]
+
+
+def test_idle_socket_still_receives_after_the_layers_blocking_pop_times_out(run, owner, cookie_for, flush_layer):
+    # channels_redis blocks 5 s per pop; with redis-py's 5 s default read timeout an idle consumer used to die
+    # ("Timeout reading"), so settings give the Redis connections a longer socket_timeout.
+    import asyncio
+
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        comm = communicator(f"/ws/runs/{run.pk}/", cookie)
+        await comm.connect()
+        await comm.send_json_to({"type": "subscribe", "after": 0})
+        await receive_until_live(comm)
+        await asyncio.sleep(6.5)
+        seq = await sync_to_async(stream.append)(run.pk, "event", {"kind": "later", "payload": {}})
+        message = await comm.receive_json_from(timeout=5)
+        await comm.disconnect()
+        return seq, message
+
+    seq, message = async_to_sync(scenario)()
+    assert message == {"seq": seq, "type": "event", "data": {"kind": "later", "payload": {}}}
