@@ -21,6 +21,7 @@ venv: $(VENV)/.installed
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: lint frontend
 	scripts/install_browser.sh
