@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from runtime import queue as queue_format
 from runtime.samples import Prompt, Sample
 
 FORMAT = "tandem-checkpoint"
@@ -434,91 +435,19 @@ def restore_rng(state: Mapping[str, Any], strict: bool = True) -> None:
 
 
 def pack_samples(samples: list[Sample]) -> dict[str, Any]:
-    """Samples as flat tensors + lengths + lists: weights-only-safe and lossless
-    (logprobs and rewards kept as float64, so Python floats round-trip exactly)."""
-
-    def flat(rows: list[list], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([x for row in rows for x in row], dtype=dtype)
-
-    def lens(rows: list[list]) -> torch.Tensor:
-        return torch.tensor([len(r) for r in rows], dtype=torch.int64)
-
-    extras = []
-    for s in samples:
-        try:
-            extras.append(json.dumps(s.extra, sort_keys=True, allow_nan=True))
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"sample {s.sample_id}: `extra` must be JSON-serialisable ({exc})") from None
-    cols: dict[str, list[list[Any]]] = {
-        "prompt_ids": [s.prompt_ids for s in samples],
-        "response_ids": [s.response_ids for s in samples],
-        "logprobs": [s.logprobs for s in samples],
-        "versions": [s.versions for s in samples],
-    }
-    return {
-        "kind": "samples/v1",
-        "sample_id": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
-        "prompt_id": torch.tensor([s.prompt_id for s in samples], dtype=torch.int64),
-        "group_id": torch.tensor([s.group_id for s in samples], dtype=torch.int64),
-        "prompt_ids": flat(cols["prompt_ids"], torch.int64),
-        "prompt_lens": lens(cols["prompt_ids"]),
-        "response_ids": flat(cols["response_ids"], torch.int64),
-        "response_lens": lens(cols["response_ids"]),
-        "logprobs": flat(cols["logprobs"], torch.float64),
-        "logprob_lens": lens(cols["logprobs"]),
-        "versions": flat(cols["versions"], torch.int64),
-        "version_lens": lens(cols["versions"]),
-        "finish_reason": [s.finish_reason for s in samples],
-        "reward": torch.tensor([float(s.reward) for s in samples], dtype=torch.float64),
-        "correct": torch.tensor([bool(s.correct) for s in samples], dtype=torch.bool),
-        "extra": extras,
-    }
+    """Samples in the queue's packed format (:func:`runtime.queue.pack_samples`), ready for ``save``."""
+    try:
+        return queue_format.pack_samples(samples)
+    except queue_format.PackError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def unpack_samples(packed: Mapping[str, Any]) -> list[Sample]:
     """Inverse of :func:`pack_samples`."""
-    if packed.get("kind") != "samples/v1":
-        raise CheckpointError(f"not a packed sample list (kind {packed.get('kind')!r})")
-
-    def split(name: str) -> list[list]:
-        flat = packed[name].tolist()
-        out, start = [], 0
-        for n in packed[_LENS[name]].tolist():
-            out.append(flat[start : start + n])
-            start += n
-        if start != len(flat):
-            raise CheckpointError(f"packed samples: `{name}` has {len(flat)} values, lengths sum to {start}")
-        return out
-
-    prompt_ids, response_ids = split("prompt_ids"), split("response_ids")
-    logprobs, versions = split("logprobs"), split("versions")
-    ids = packed["sample_id"].tolist()
-    prompt_id, group_id = packed["prompt_id"].tolist(), packed["group_id"].tolist()
-    reward, correct = packed["reward"].tolist(), packed["correct"].tolist()
-    return [
-        Sample(
-            sample_id=ids[i],
-            prompt_id=prompt_id[i],
-            group_id=group_id[i],
-            prompt_ids=prompt_ids[i],
-            response_ids=response_ids[i],
-            logprobs=logprobs[i],
-            versions=versions[i],
-            finish_reason=packed["finish_reason"][i],
-            reward=reward[i],
-            correct=correct[i],
-            extra=json.loads(packed["extra"][i]),
-        )
-        for i in range(len(ids))
-    ]
-
-
-_LENS = {
-    "prompt_ids": "prompt_lens",
-    "response_ids": "response_lens",
-    "logprobs": "logprob_lens",
-    "versions": "version_lens",
-}
+    try:
+        return queue_format.unpack_samples(dict(packed))
+    except queue_format.PackError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def pack_prompts(prompts: list[Prompt]) -> dict[str, Any]:

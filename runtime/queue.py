@@ -20,6 +20,7 @@ format for LLM samples crossing a process boundary, know the ``Sample`` type.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
@@ -240,64 +241,85 @@ class SampleQueue:
 _FINISH = ("stop", "length", "abort")
 
 
+class PackError(ValueError):
+    """Samples that cannot be packed, or a packed batch that does not unpack."""
+
+
 def pack_samples(samples: list[Sample]) -> dict[str, Any]:
     """Pack samples into flat tensors plus length vectors — no padding.
 
-    ``tokens`` holds prompt then response ids of every sample back to back;
-    ``logprobs`` and ``versions`` the response tokens back to back. float64 keeps
-    the engine's log-probabilities exact through the round trip.
+    The one format for samples outside a ``Sample`` object: rollout → trainer
+    transfer and the queue's contents in a checkpoint. Only tensors, ints and
+    strings, so ``torch.load(weights_only=True)`` reads it; float64 keeps the
+    engine's log-probabilities and rewards exact through the round trip.
     """
-    prompt_lens = [len(s.prompt_ids) for s in samples]
-    response_lens = [len(s.response_ids) for s in samples]
+    extras = []
     for s in samples:
         if not (len(s.logprobs) == len(s.versions) == len(s.response_ids)):
-            raise ValueError(f"sample {s.sample_id}: response_ids, logprobs and versions differ in length")
-    tokens = [t for s in samples for t in (*s.prompt_ids, *s.response_ids)]
+            raise PackError(f"sample {s.sample_id}: response_ids, logprobs and versions differ in length")
+        try:
+            extras.append(json.dumps(s.extra, sort_keys=True, allow_nan=True))
+        except (TypeError, ValueError) as exc:
+            raise PackError(f"sample {s.sample_id}: `extra` must be JSON-serialisable ({exc})") from None
+
+    def flat(rows: list[list], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([x for row in rows for x in row], dtype=dtype)
+
+    def lens(rows: list[list]) -> torch.Tensor:
+        return torch.tensor([len(r) for r in rows], dtype=torch.int64)
+
+    prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     return {
-        "tokens": torch.tensor(tokens, dtype=torch.int64),
-        "logprobs": torch.tensor([x for s in samples for x in s.logprobs], dtype=torch.float64),
-        "versions": torch.tensor([v for s in samples for v in s.versions], dtype=torch.int64),
-        "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
-        "response_lens": torch.tensor(response_lens, dtype=torch.int64),
-        "ids": torch.tensor([[s.sample_id, s.prompt_id, s.group_id] for s in samples], dtype=torch.int64).reshape(
-            -1, 3
-        ),
-        "reward": torch.tensor([s.reward for s in samples], dtype=torch.float64),
-        "correct": torch.tensor([s.correct for s in samples], dtype=torch.bool),
+        "kind": "samples/v1",
+        "sample_id": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
+        "prompt_id": torch.tensor([s.prompt_id for s in samples], dtype=torch.int64),
+        "group_id": torch.tensor([s.group_id for s in samples], dtype=torch.int64),
+        "prompt_ids": flat(prompts, torch.int64),
+        "prompt_lens": lens(prompts),
+        "response_ids": flat(responses, torch.int64),
+        "response_lens": lens(responses),
+        # logprobs and versions are per response token: response_lens splits them too.
+        "logprobs": flat([s.logprobs for s in samples], torch.float64),
+        "versions": flat([s.versions for s in samples], torch.int64),
+        "reward": torch.tensor([float(s.reward) for s in samples], dtype=torch.float64),
+        "correct": torch.tensor([bool(s.correct) for s in samples], dtype=torch.bool),
         "finish": torch.tensor([_FINISH.index(s.finish_reason) for s in samples], dtype=torch.int8),
-        "extra": [s.extra for s in samples],  # small per-sample metadata, pickled as is
+        "extra": extras,
     }
 
 
 def unpack_samples(packed: dict[str, Any]) -> list[Sample]:
-    """Inverse of :func:`pack_samples`."""
-    prompt_lens = packed["prompt_lens"].tolist()
-    response_lens = packed["response_lens"].tolist()
-    tokens = packed["tokens"].tolist()
-    logprobs = packed["logprobs"].tolist()
-    versions = packed["versions"].tolist()
-    ids = packed["ids"].tolist()
-    reward = packed["reward"].tolist()
-    correct = packed["correct"].tolist()
-    finish = packed["finish"].tolist()
-    out = []
-    t = r = 0
-    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
-        out.append(
-            Sample(
-                sample_id=ids[i][0],
-                prompt_id=ids[i][1],
-                group_id=ids[i][2],
-                prompt_ids=tokens[t : t + pl],
-                response_ids=tokens[t + pl : t + pl + rl],
-                logprobs=logprobs[r : r + rl],
-                versions=versions[r : r + rl],
-                finish_reason=_FINISH[finish[i]],
-                reward=reward[i],
-                correct=bool(correct[i]),
-                extra=packed["extra"][i],
-            )
+    """Inverse of :func:`pack_samples`; checks that the lengths account for every value."""
+    if packed.get("kind") != "samples/v1":
+        raise PackError(f"not a packed sample list (kind {packed.get('kind')!r})")
+    prompt_lens, response_lens = packed["prompt_lens"].tolist(), packed["response_lens"].tolist()
+
+    def split(name: str, sizes: list[int]) -> list[list]:
+        values, out, start = packed[name].tolist(), [], 0
+        for n in sizes:
+            out.append(values[start : start + n])
+            start += n
+        if start != len(values):
+            raise PackError(f"packed samples: `{name}` has {len(values)} values, lengths sum to {start}")
+        return out
+
+    prompt_ids = split("prompt_ids", prompt_lens)
+    response_ids, logprobs, versions = (split(k, response_lens) for k in ("response_ids", "logprobs", "versions"))
+    ids, prompt_id, group_id = (packed[k].tolist() for k in ("sample_id", "prompt_id", "group_id"))
+    reward, correct, finish = (packed[k].tolist() for k in ("reward", "correct", "finish"))
+    return [
+        Sample(
+            sample_id=ids[i],
+            prompt_id=prompt_id[i],
+            group_id=group_id[i],
+            prompt_ids=prompt_ids[i],
+            response_ids=response_ids[i],
+            logprobs=logprobs[i],
+            versions=versions[i],
+            finish_reason=_FINISH[finish[i]],
+            reward=reward[i],
+            correct=bool(correct[i]),
+            extra=json.loads(packed["extra"][i]),
         )
-        t += pl + rl
-        r += rl
-    return out
+        for i in range(len(ids))
+    ]

@@ -217,7 +217,7 @@ def _sample(i, n_prompt, n_resp):
 def test_packed_transfer_roundtrip_is_exact_and_unpadded():
     samples = [_sample(0, 4, 1), _sample(1, 2, 9), _sample(2, 5, 0)]
     packed = pack_samples(samples)
-    assert packed["tokens"].numel() == 4 + 1 + 2 + 9 + 5 + 0  # no padding
+    assert packed["prompt_ids"].numel() + packed["response_ids"].numel() == 4 + 1 + 2 + 9 + 5 + 0  # no padding
     assert packed["logprobs"].numel() == 10 and packed["response_lens"].tolist() == [1, 9, 0]
     assert unpack_samples(packed) == samples
     assert unpack_samples(pack_samples([])) == []
