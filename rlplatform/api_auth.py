@@ -17,17 +17,24 @@ from rlplatform.tokens import authenticate_token
 KEYWORD = "Bearer"
 
 
+def bearer_credential(request, what: str = "token") -> str | None:
+    """The raw credential of an ``Authorization: Bearer …`` header; None when there is no such header."""
+    header = authentication.get_authorization_header(request).split()
+    if not header or header[0].lower() != KEYWORD.lower().encode():
+        return None
+    if len(header) != 2:
+        raise exceptions.AuthenticationFailed(f"Authorization header must be 'Bearer <{what}>'")
+    try:
+        return header[1].decode()
+    except UnicodeError:
+        raise exceptions.AuthenticationFailed("token contains invalid characters") from None
+
+
 class TokenAuthentication(authentication.BaseAuthentication):
     def authenticate(self, request):
-        header = authentication.get_authorization_header(request).split()
-        if not header or header[0].lower() != KEYWORD.lower().encode():
+        raw = bearer_credential(request)
+        if raw is None:
             return None  # not ours: let session authentication try
-        if len(header) != 2:
-            raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'")
-        try:
-            raw = header[1].decode()
-        except UnicodeError:
-            raise exceptions.AuthenticationFailed("token contains invalid characters") from None
         token = authenticate_token(raw)
         if token is None:
             # One message for unknown, expired and revoked: the reply must not help guessing.

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.metrics import ReporterError, clean_metrics, end_of_last_line, plain_json
+from runtime.metrics import ReporterError, clean_metrics, end_of_last_line, line_start, plain_json
 
 SPOOL_FILE = "spool.jsonl"
 CURSOR_FILE = "cursor.json"
@@ -200,7 +200,7 @@ class HttpReporter:
             return None
         with open(self._spool_path, "rb") as fh:
             fh.seek(0)
-            start = _line_start(fh, size - 1)
+            start = line_start(fh, size - 1)
             fh.seek(start)
             return int(json.loads(fh.read(size - start))["seq"])
 
@@ -314,16 +314,3 @@ class HttpReporter:
             if isinstance(reply, dict):
                 self.on_reply(reply)
         return True
-
-
-def _line_start(fh: Any, pos: int) -> int:
-    """Offset of the start of the line holding byte ``pos`` (just after the previous newline)."""
-    while pos > 0:
-        chunk = min(4096, pos)
-        fh.seek(pos - chunk)
-        data = fh.read(chunk)
-        idx = data.rfind(b"\n")
-        if idx >= 0:
-            return pos - chunk + idx + 1
-        pos -= chunk
-    return 0

@@ -10,8 +10,7 @@ from rest_framework import authentication, exceptions, permissions
 
 from jobs.ingest.tokens import authenticate_run_token
 from jobs.models import RunToken
-
-KEYWORD = "Bearer"
+from rlplatform.api_auth import KEYWORD, bearer_credential
 
 
 class RunPrincipal:
@@ -36,15 +35,9 @@ class RunPrincipal:
 
 class RunTokenAuthentication(authentication.BaseAuthentication):
     def authenticate(self, request):
-        header = authentication.get_authorization_header(request).split()
-        if not header or header[0].lower() != KEYWORD.lower().encode():
+        raw = bearer_credential(request, "run token")
+        if raw is None:
             return None  # no credentials: HasRunToken answers 401
-        if len(header) != 2:
-            raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <run token>'")
-        try:
-            raw = header[1].decode()
-        except UnicodeError:
-            raise exceptions.AuthenticationFailed("token contains invalid characters") from None
         token = authenticate_run_token(raw)
         if token is None:
             # One message for unknown, expired and revoked: the reply must not help guessing.
