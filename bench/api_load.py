@@ -38,16 +38,14 @@ import datetime
 import json
 import os
 import platform
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import free_port, setup_django, start_server, stop_server
+
 SPEC = "name: bench\nresources:\n  device: cpu\n  trainer_devices: 1\n"
 
 # --- load generator (standard library only) ------------------------------------------------------
@@ -235,21 +233,6 @@ async def fixed_rate(
 # --- set-up: Django, seed data, the server ----------------------------------------------------------
 
 
-def setup_django() -> None:
-    if not os.environ.get("DATABASE_URL"):
-        sys.exit("DATABASE_URL must point at PostgreSQL, e.g. postgres://tandem:tandem@127.0.0.1:55432/tandem")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "rlplatform.settings")
-    os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-not-for-production-0123456789")
-    os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost")
-    sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-
-
 @dataclass
 class Seed:
     tag: str
@@ -310,40 +293,6 @@ def cleanup(s: Seed) -> None:
     ResourceGroup.objects.filter(pk__in=s.group_ids).delete()
     Team.objects.filter(pk=s.team_id).delete()
     get_user_model().objects.filter(pk=s.user_id).delete()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(port: int, workers: int, env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "rlplatform.asgi:application",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--log-level",
-        "warning",
-        "--no-access-log",
-    ]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    server.terminate()
-    try:
-        server.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
 
 
 def tree_cpu_s(root_pid: int) -> float | None:

@@ -36,33 +36,15 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import free_port, setup_django, start_server, stop_server
+
 SPEC = "name: bench-fanout\nresources:\n  device: cpu\n  trainer_devices: 1\n"
 CHART_KEYS = 30
 CHART_STEPS = 100_000
-
-
-def setup_django() -> None:
-    if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
-        sys.exit("set DATABASE_URL to a PostgreSQL database (postgres://user:pass@host:port/name)")
-    if not os.environ.get("REDIS_URL", "").startswith("redis"):
-        sys.exit("set REDIS_URL (the fan-out goes through the Redis channel layer)")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "rlplatform.settings")
-    os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
-    os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost")
-    sys.path.insert(0, str(ROOT))
-    import django
-    from django.core.management import call_command
-
-    django.setup()
-    call_command("migrate", verbosity=0)
 
 
 def seed(tag: str) -> dict:
@@ -113,18 +95,6 @@ def cleanup(seeded: dict) -> None:
     group.delete()
     team.delete()
     seeded["user"].delete()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "uvicorn", "rlplatform.asgi:application"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--timeout-graceful-shutdown", "5"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy())
 
 
 def wait_ready(port: int, timeout_s: float = 60.0) -> None:
@@ -356,22 +326,17 @@ def main() -> None:
 
     # A timeout's SIGTERM must still stop the server and delete the seeded rows (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    setup_django()
+    setup_django(redis_reason="the fan-out goes through the Redis channel layer")
     tag = f"{int(time.time())}-{secrets.token_hex(3)}"
     seeded = seed(tag)
     port = free_port()
-    server = start_server(port)
+    server = start_server(port, 1, None, "--timeout-graceful-shutdown", "5")
     try:
         wait_ready(port)
         fan = asyncio.run(fanout(port, seeded, args.clients, args.rate, args.batch, seconds))
         chart = None if args.no_chart else chart_data(port, seeded, repeats, all_keys=not args.quick)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
         cleanup(seeded)
 
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}")

@@ -29,29 +29,12 @@ import json
 import os
 import platform
 import secrets
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import free_port, setup_django, start_server, stop_server
+
 SPEC = "name: bench-ingest\nresources:\n  device: cpu\n  trainer_devices: 1\n"
-
-
-def setup_django() -> None:
-    if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
-        sys.exit("set DATABASE_URL to a PostgreSQL database (postgres://user:pass@host:port/name)")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "rlplatform.settings")
-    os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
-    os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost")
-    sys.path.insert(0, str(ROOT))
-    import django
-    from django.core.management import call_command
-
-    django.setup()
-    call_command("migrate", verbosity=0)
 
 
 def seed(tag: str):
@@ -86,18 +69,6 @@ def cleanup(run) -> None:
         quota.delete()
     group.delete()
     team.delete()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, workers: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "uvicorn", "rlplatform.asgi:application"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), "--log-level", "warning"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy())
 
 
 def post(conn: http.client.HTTPConnection, body: bytes, token: str) -> tuple[int, bytes]:
@@ -266,12 +237,7 @@ def main() -> None:
         figures["target_points_per_s"] = 50_000
         figures["meets_target"] = figures["fresh"]["points_per_s"] >= 50_000
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
         cleanup(run)
     print(json.dumps(figures))
 
