@@ -173,3 +173,24 @@ def complete(db):
         return run
 
     return do
+
+
+@pytest.fixture
+def start(db):
+    """start(run): walk an ADMITTED run to RUNNING."""
+    from jobs import handler
+    from jobs.states import RunState
+
+    def do(run):
+        for state in (RunState.STARTING, RunState.RUNNING):
+            handler.transition(run, state)
+        run.refresh_from_db()
+        return run
+
+    return do
+
+
+@pytest.fixture
+def run(experiment, submit, start):
+    """Team A's RUNNING run (one CPU device)."""
+    return start(submit(experiment))

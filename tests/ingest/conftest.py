@@ -5,32 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _fast_password_hashing(settings):
-    # The personas are created with passwords; PBKDF2 costs ~1 s per user on this machine.
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
-@pytest.fixture
-def start(db):
-    """start(run): walk an ADMITTED run to RUNNING."""
-    from jobs import handler
-    from jobs.states import RunState
-
-    def do(run):
-        for state in (RunState.STARTING, RunState.RUNNING):
-            handler.transition(run, state)
-        return run
-
-    return do
-
-
-@pytest.fixture
-def run(experiment, submit, start):
-    """Team A's RUNNING run (one CPU device)."""
-    return start(submit(experiment))
-
-
 @pytest.fixture
 def other_run(experiment, submit, start):
     return start(submit(experiment))

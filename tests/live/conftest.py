@@ -12,27 +12,6 @@ import pytest
 
 
 @pytest.fixture
-def start(db):
-    """start(run): walk an ADMITTED run to RUNNING."""
-    from jobs import handler
-    from jobs.states import RunState
-
-    def do(run):
-        for state in (RunState.STARTING, RunState.RUNNING):
-            handler.transition(run, state)
-        run.refresh_from_db()
-        return run
-
-    return do
-
-
-@pytest.fixture
-def run(experiment, submit, start):
-    """Team A's RUNNING run (one CPU device)."""
-    return start(submit(experiment))
-
-
-@pytest.fixture
 def cookie_for(db):
     """cookie_for(user) -> the Cookie header value of a fresh session of that user."""
     from django.conf import settings
