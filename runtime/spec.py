@@ -30,6 +30,18 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
 
 
+def check_http_url(url: str) -> str:
+    """``url`` if it parses as http(s)://host[:port]/path, else a ValueError saying why."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} does not parse: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} does not parse as http(s)://host[:port]/path")
+    return url
+
+
 class _Section(BaseModel):
     # Unknown fields are errors: a typo must never be silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -156,16 +168,7 @@ class RewardSpec(_Section):
     @field_validator("url")
     @classmethod
     def _url_parses(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        parts = urlsplit(v)
-        try:
-            parts.port  # noqa: B018 - raises on a bad port
-        except ValueError as exc:
-            raise ValueError(f"{v!r} does not parse: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{v!r} does not parse as http(s)://host[:port]/path")
-        return v
+        return None if v is None else check_http_url(v)
 
 
 class PipelineSpec(_Section):

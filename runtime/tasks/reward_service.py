@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+
+from runtime.spec import check_http_url
 
 RETRYABLE_STATUS = frozenset({408, 429})
 
@@ -99,14 +100,10 @@ class CircuitBreaker:
 
 def check_url(url: str) -> str:
     """``url`` if it is http(s)://host[:port]/..., else a ValueError naming ``reward.url``."""
-    parts = urlsplit(url)
     try:
-        parts.port  # noqa: B018 - raises on a bad port
+        return check_http_url(url)
     except ValueError as exc:
-        raise ValueError(f"reward.url: {url!r} does not parse: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"reward.url: {url!r} does not parse as http(s)://host[:port]/path")
-    return url
+        raise ValueError(f"reward.url: {exc}") from None
 
 
 class RewardClient:
