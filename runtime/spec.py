@@ -195,6 +195,15 @@ class ResourcesSpec(_Section):
     rollout_workers: int = Field(1, ge=1, le=4096, description="Rollout instances (processes).")
     eval_devices: int = Field(0, ge=0, le=64, description="Devices of a separate evaluator (0 = none).")
     threads_per_process: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
+    max_restarts: int = Field(
+        3, ge=0, le=1000, description="Platform: restarts of the trainer (from its last checkpoint) before FAILED."
+    )
+    rollout_restarts: int = Field(
+        3, ge=0, le=1000, description="Restarts of each rollout instance that dies, while the run continues."
+    )
+    preemptible: bool = Field(
+        False, description="Platform: a higher-priority run may preempt this one (checkpoint, then requeue)."
+    )
 
     @property
     def total_devices(self) -> int:
