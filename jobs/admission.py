@@ -167,6 +167,10 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
         )
     if changed:
         _write_queue_state(changed)
+    if admitted:
+        from jobs.launch import request_launch  # launch builds on the handler, which builds on admission
+
+        request_launch(admitted)
     return admitted
 
 

@@ -44,8 +44,13 @@ def root() -> Path:
 
 def directory(record: CheckpointRecord) -> Path | None:
     """The checkpoint's directory, resolved; None when it lies outside the root."""
+    return checkpoint_dir_for_path(record.path)
+
+
+def checkpoint_dir_for_path(recorded: str) -> Path | None:
+    """A checkpoint path as the runtime reported it, resolved; None when it lies outside the root."""
     base = root()
-    path = (base / record.path).resolve()  # an absolute record.path replaces base, then must still be inside it
+    path = (base / recorded).resolve()  # an absolute path replaces base, then must still be inside it
     return path if path.is_relative_to(base) else None
 
 

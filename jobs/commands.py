@@ -17,6 +17,8 @@ Kinds and what the platform does (the runtime does the rest):
                              parent_checkpoint and the edited spec; done at once
     set_params  active       {params: {"trainer.lr": 1e-5, ...}}: safe parameters only,
                              validated against runtime.spec, recorded as a ConfigVersion
+    preempt     RUNNING/PAUSED   platform only (jobs.preemption): the runtime checkpoints and exits;
+                             jobs.launch then moves the run PREEMPTED -> QUEUED
 
 Permission checks are the caller's, as in jobs.handler.
 """
@@ -65,6 +67,7 @@ ALLOWED_FROM: dict[str, frozenset[RunState]] = {
     CommandKind.ROLLBACK: frozenset({S.RUNNING, S.PAUSED}),
     CommandKind.FORK: frozenset(RunState),
     CommandKind.SET_PARAMS: frozenset({S.ADMITTED, S.STARTING, S.RUNNING, S.PAUSED}),
+    CommandKind.PREEMPT: frozenset({S.RUNNING, S.PAUSED}),
 }
 # Where a run goes when the runtime reports one of these commands done.
 STATE_AFTER_DONE = {CommandKind.PAUSE: S.PAUSED, CommandKind.RESUME: S.RUNNING, CommandKind.STOP: S.COMPLETED}
@@ -95,6 +98,8 @@ def create(actor, run: Run, kind: str, args: dict[str, Any] | None = None) -> Co
     a kind the run's state does not allow: Conflict."""
     if kind not in CommandKind.values:
         raise InvalidInput.one("kind", f"must be one of {', '.join(CommandKind.values)}")
+    if kind == CommandKind.PREEMPT and actor is not None:
+        raise InvalidInput.one("kind", "preempt is issued by the platform's scheduler only (jobs.preemption)")
     if args is None:
         args = {}
     if not isinstance(args, dict):

@@ -134,6 +134,49 @@ class Allocation(models.Model):
         return f"run {self.run_id} -> device {self.device_id}"
 
 
+# --- Role processes on hosts (jobs.launch places and restarts them, jobs.supervisor runs them) ---------
+
+
+class RoleState(models.TextChoices):
+    PENDING = "pending"  # placed; its start task is on the host's queue
+    LAUNCHING = "launching"  # claimed by the host's worker, process being started
+    RUNNING = "running"  # the process lives (the host's supervisor renews ``supervised_at``)
+    EXITED = "exited"  # the process ended (``exit_code``; None when it vanished without one)
+
+
+class RunRole(models.Model):
+    """One role process of a run (today: ``trainer-0``, which runs the whole pipeline) on one host.
+
+    ``attempt`` counts launches: a restart bumps it, and the runtime reports under it (its run token is
+    minted per attempt). Change it only through ``jobs.launch`` and ``jobs.supervisor``.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="roles")
+    name = models.CharField(max_length=100)
+    host = models.ForeignKey("rlplatform.Host", on_delete=models.PROTECT, related_name="roles")
+    device_indices = models.JSONField(default=list, help_text="Indices of the host's devices the role sees")
+    attempt = models.PositiveIntegerField(default=0)
+    restarts = models.PositiveIntegerField(default=0, help_text="Restarts after failures (not preemptions)")
+    state = models.CharField(max_length=10, choices=RoleState.choices, default=RoleState.PENDING)
+    pid = models.IntegerField(null=True, blank=True, help_text="Process group of the role on its host")
+    exit_code = models.IntegerField(null=True, blank=True)
+    message = models.TextField(blank=True, help_text="Why it exited, from its log")
+    workdir = models.CharField(max_length=500, help_text="The run's directory (checkpoints, spool, logs)")
+    claimed_by = models.CharField(max_length=200, blank=True, help_text="Worker that started this attempt")
+    queued_at = models.DateTimeField(default=timezone.now, help_text="When this attempt's start task was sent")
+    launched_at = models.DateTimeField(null=True, blank=True)
+    exited_at = models.DateTimeField(null=True, blank=True)
+    supervised_at = models.DateTimeField(null=True, blank=True, help_text="Last time its supervisor saw it")
+
+    class Meta:
+        ordering = ["run_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["run", "name"], name="runrole_unique_name")]
+        indexes = [models.Index(fields=["host", "state"], name="runrole_host_state_idx")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} {self.name}#{self.attempt} on {self.host_id} ({self.state})"
+
+
 # --- Runtime-facing records: run tokens, ingest, commands (jobs.ingest, jobs.commands) ----------------
 
 
@@ -265,6 +308,7 @@ class CommandKind(models.TextChoices):
     ROLLBACK = "rollback"
     FORK = "fork"
     SET_PARAMS = "set_params"
+    PREEMPT = "preempt"  # sent by the platform only (jobs.preemption): checkpoint, exit, requeue
 
 
 class CommandState(models.TextChoices):

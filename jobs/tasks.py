@@ -1,7 +1,9 @@
-"""Periodic control-plane tasks (queue ``default``; beat schedule in settings).
+"""Control-plane tasks: periodic passes (queue ``default``; beat schedule in settings) and role launches.
 
 All are idempotent and safe to overlap: every pass takes the group lock,
-and accounting moves each allocation's ``accounted_until`` mark.
+accounting moves each allocation's ``accounted_until`` mark, and a role start is
+claimed by a conditional update (jobs.supervisor). ``start_role`` is the one
+task sent to a host's own queue (``host.<name>``); the rest run on ``default``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.db import transaction
 
-from jobs import accounting, admission, checkpoints, stream
+from jobs import accounting, admission, checkpoints, launch, stream
 from jobs.models import Allocation, CheckpointRecord, Run
 
 
@@ -41,3 +43,26 @@ def apply_checkpoint_retention() -> int:
     for run in Run.objects.filter(pk__in=run_ids).order_by("pk"):
         deleted += len(checkpoints.apply_retention(run))
     return deleted
+
+
+@shared_task(name="jobs.tasks.launch_run", soft_time_limit=60, time_limit=90)
+def launch_run(run_id: int) -> int | None:
+    """Place an admitted run's role and send its start task to the host (jobs.launch); the role id or None."""
+    role = launch.launch_run(run_id)
+    return role.pk if role is not None else None
+
+
+@shared_task(name="jobs.tasks.start_role", soft_time_limit=90, time_limit=120)
+def start_role(role_id: int, attempt: int) -> str:
+    """On the role's host (queue ``host.<name>``): claim and start one attempt of the role (jobs.supervisor)."""
+    return supervisor.start_role(role_id, attempt)
+
+
+@shared_task(name="jobs.tasks.watch_roles", soft_time_limit=60, time_limit=90)
+def watch_roles() -> dict[str, int]:
+    """Beat: roles whose host is gone, start tasks the broker lost, admitted runs never launched."""
+    return launch.watch()
+
+
+# Connects the role supervisor to the worker's signals; the worker imports this module through autodiscovery.
+from jobs import supervisor  # noqa: E402

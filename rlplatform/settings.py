@@ -186,7 +186,23 @@ if TANDEM_HOST_GRACE_S < 2 * TANDEM_HEARTBEAT_S:
 # directory; retention of old checkpoints runs this often.
 TANDEM_CHECKPOINT_ROOT = Path(env_str("TANDEM_CHECKPOINT_ROOT", str(BASE_DIR / "runs"))).resolve()
 TANDEM_RETENTION_INTERVAL_S = env_float("TANDEM_RETENTION_INTERVAL_S", 300.0, minimum=1.0)
+# Role processes (docs/running-runs.md): each run's directory is <TANDEM_CHECKPOINT_ROOT>/run-<id> (shared
+# storage in a cluster, so a restarted role finds its checkpoints); roles reach the platform at
+# TANDEM_PLATFORM_URL; host supervisors look at their processes every TANDEM_SUPERVISE_S; a live process
+# that has not heartbeated for TANDEM_ROLE_HANG_S is hung and killed (then restarted); a start task not
+# claimed within TANDEM_LAUNCH_TIMEOUT_S is sent again (the broker may have lost it).
+TANDEM_PLATFORM_URL = env_str("TANDEM_PLATFORM_URL", "http://127.0.0.1:8000")
+if not TANDEM_PLATFORM_URL.startswith(("http://", "https://")):
+    raise ImproperlyConfigured(
+        f"environment variable TANDEM_PLATFORM_URL={TANDEM_PLATFORM_URL!r} is not an http(s) URL"
+    )
+TANDEM_SUPERVISE_S = env_float("TANDEM_SUPERVISE_S", 2.0, minimum=0.1)
+TANDEM_ROLE_HEARTBEAT_S = env_float("TANDEM_ROLE_HEARTBEAT_S", 5.0, minimum=0.1)
+TANDEM_ROLE_HANG_S = env_float("TANDEM_ROLE_HANG_S", 600.0, minimum=1.0)
+TANDEM_LAUNCH_TIMEOUT_S = env_float("TANDEM_LAUNCH_TIMEOUT_S", 120.0, minimum=1.0)
+TANDEM_WATCH_ROLES_S = env_float("TANDEM_WATCH_ROLES_S", 10.0, minimum=0.5)
 CELERY_BEAT_SCHEDULE = {
+    "watch-roles": {"task": "jobs.tasks.watch_roles", "schedule": TANDEM_WATCH_ROLES_S},
     "admit-pending": {"task": "jobs.tasks.admit_pending", "schedule": TANDEM_ADMISSION_INTERVAL_S},
     "accrue-device-time": {"task": "jobs.tasks.accrue_device_time", "schedule": TANDEM_ACCOUNTING_INTERVAL_S},
     "mark-lost-hosts": {"task": "rlplatform.tasks.mark_lost_hosts", "schedule": TANDEM_HEARTBEAT_S},

@@ -23,8 +23,9 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from jobs import commands, stream
-from jobs.handler import InvalidInput
-from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, RunEvent, RunToken
+from jobs.handler import IllegalTransition, InvalidInput, transition
+from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
+from jobs.states import RunState
 
 MAX_POINTS = 10_000  # per batch; the reporter sends 500
 MAX_METRICS_PER_POINT = 1_000
@@ -287,6 +288,7 @@ def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
                 ).values_list("seq", flat=True)
             )
             new_events = [e for e in batch.events if e["seq"] not in seen]
+            _rewind_earlier_attempts(token, new_events)
             RunEvent.objects.bulk_create(
                 [
                     RunEvent(
@@ -434,8 +436,35 @@ def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
                 "role",
                 {"role": role, "status": status, "host": host, "attempt": token.attempt, "last_seen": now.timestamp()},
             )
+            if status == "running":
+                _mark_running(token.run_id)
         delivered = commands.deliver(token.run_id)
     return {"commands": delivered}
+
+
+def _mark_running(run_id: int) -> None:
+    """A role reports it is running: a STARTING run is RUNNING from now on (any other state stays)."""
+    run = Run.objects.filter(pk=run_id, state=RunState.STARTING).first()
+    if run is not None:
+        try:
+            transition(run, RunState.RUNNING)
+        except IllegalTransition:
+            pass  # moved meanwhile (cancelled): that state stands
+
+
+def _rewind_earlier_attempts(token: RunToken, events: list[dict[str, Any]]) -> None:
+    """A restarted attempt resumed from step S: the earlier attempts' points after S are rewound (kept,
+    hidden by default), since the steps after S are being run again."""
+    for event in events:
+        step = event["payload"].get("step")
+        if event["kind"] == "resume" and _is_int(step) and step >= 0 and token.attempt > 0:
+            rewound = (
+                MetricPoint.objects.filter(run_id=token.run_id, attempt__lt=token.attempt, step__gt=step)
+                .live()
+                .update(rewound=True)
+            )
+            if rewound:
+                stream.append(token.run_id, "rewound", {"after_step": step})
 
 
 def command_result(token: RunToken, body: Any) -> dict[str, Any]:

@@ -1,0 +1,354 @@
+"""Launching, restarting and ending a run's role processes: the platform's side.
+
+    admitted (jobs.admission)  -> request_launch: ``launch_run`` task after the admitting commit
+    launch_run                 -> the role is placed on the run's allocated devices and one
+                                  ``start_role`` task goes to its host's queue after commit
+    start_role on the host     -> jobs.supervisor claims, spawns and watches the process
+    the process exits          -> role_exited: complete, fail, restart from the last checkpoint,
+                                  or requeue after a preemption
+
+A run has one role today, ``trainer-0``: it runs the whole pipeline, its rollout
+and evaluator processes being its own children on the same host (a dead rollout
+process is restarted by the runtime itself, within ``resources.rollout_restarts``).
+So a run's devices must lie on one host; admission prefers that, and a run placed
+across hosts fails with that reason instead of starting half-way.
+
+Every function here takes the group lock first (rlplatform.locks order), so it
+never deadlocks with admission or with ``jobs.handler.transition``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from jobs import handler, stream
+from jobs.ingest.tokens import revoke_run_tokens
+from jobs.models import Allocation, Experiment, Run, RunEvent, RunRole
+from jobs.models import RoleState as R
+from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
+from rlplatform import locks
+from rlplatform.celery import app
+
+logger = logging.getLogger(__name__)
+
+TRAINER = "trainer-0"
+LAUNCH_TASK = "jobs.tasks.launch_run"
+START_TASK = "jobs.tasks.start_role"
+EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
+PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
+
+
+def run_dir(run_id: int) -> Path:
+    """The run's directory: checkpoints, reporter spools, role logs (inside the checkpoint root)."""
+    return Path(settings.TANDEM_CHECKPOINT_ROOT) / f"run-{run_id}"
+
+
+def role_dir(role: RunRole) -> Path:
+    """One attempt's files: ``pid``, ``log``, ``exit_code`` (jobs/rolewrap.py)."""
+    return Path(role.workdir) / "roles" / role.name / f"attempt-{role.attempt}"
+
+
+# --- sending tasks (after commit, never inside the transaction that decided them) ------------------
+
+
+def _send(task: str, args: list[Any], queue: str | None = None) -> None:
+    options = {"queue": queue} if queue else {}
+    app.signature(task, args=args).apply_async(**options)
+
+
+def request_launch(run_ids: list[int]) -> None:
+    """Queue ``launch_run`` for each run once the current transaction commits (a broker error is logged;
+    the role watchdog launches admitted runs that were missed)."""
+    for run_id in run_ids:
+        transaction.on_commit(lambda run_id=run_id: _send(LAUNCH_TASK, [run_id]), robust=True)
+
+
+def _request_start(role: RunRole, queue: str) -> None:
+    role_id, attempt = role.pk, role.attempt
+    transaction.on_commit(lambda: _send(START_TASK, [role_id, attempt], queue=queue), robust=True)
+
+
+# --- events the platform records for a run (the run page's event log) -------------------------------
+
+
+def record_event(run_id: int, kind: str, payload: dict[str, Any]) -> None:
+    """A platform event of the run (role launched, exited, restarted...): stored and streamed live."""
+    now = timezone.now()
+    with transaction.atomic():
+        last = RunEvent.objects.filter(run_id=run_id, attempt=0, role=PLATFORM_ROLE).aggregate(m=Max("seq"))["m"]
+        RunEvent.objects.create(
+            run_id=run_id, attempt=0, role=PLATFORM_ROLE, seq=(last or 0) + 1, kind=kind, payload=payload, time=now
+        )
+        stream.append(
+            run_id, "event", {"kind": kind, "payload": payload, "role": PLATFORM_ROLE, "time": now.timestamp()}
+        )
+
+
+def _role_entry(role: RunRole) -> dict[str, Any]:
+    return {
+        "role": role.name,
+        "status": role.state,
+        "host": role.host.name,
+        "attempt": role.attempt,
+        "restarts": role.restarts,
+        "exit_code": role.exit_code,
+        "last_seen": timezone.now().timestamp(),
+    }
+
+
+def stream_role(role: RunRole) -> None:
+    stream.append(role.run_id, "role", _role_entry(role))
+
+
+# --- launch -------------------------------------------------------------------------------------------
+
+
+def _group_id(run_id: int) -> int | None:
+    return Experiment.objects.filter(runs__pk=run_id).values_list("group_id", flat=True).first()
+
+
+def launch_run(run_id: int) -> RunRole | None:
+    """Place the admitted run's role on its devices and send the start task; idempotent.
+
+    Returns the role (None when there is nothing to launch: the run is gone, not ADMITTED, or its role
+    already has a live attempt). A run whose devices span hosts fails with that reason.
+    """
+    group_id = _group_id(run_id)
+    if group_id is None:
+        return None
+    with transaction.atomic():
+        locks.lock_group(group_id)
+        run = Run.objects.filter(pk=run_id).first()
+        if run is None or run.state != RunState.ADMITTED:
+            return None
+        role = RunRole.objects.select_for_update().filter(run=run, name=TRAINER).first()
+        if role is not None and role.state != R.EXITED:
+            return None  # this admission's attempt is already on its way
+        devices = list(
+            Allocation.objects.active()
+            .filter(run=run)
+            .order_by("device__host_id", "device__index")
+            .values_list("device__host_id", "device__index", "device__host__queue", "device__host__name")
+        )
+        hosts = sorted({d[0] for d in devices})
+        if len(hosts) != 1:
+            handler.transition(
+                run,
+                RunState.FAILED,
+                f"its {len(devices)} devices lie on {len(hosts)} hosts; a run is launched on one host only",
+            )
+            return None
+        host_id, queue, host_name = hosts[0], devices[0][2], devices[0][3]
+        indices = [d[1] for d in devices]
+        if role is None:
+            role = RunRole(run=run, name=TRAINER, workdir=str(run_dir(run.pk)), attempt=0)
+        else:  # re-admitted after a preemption (or a lost host): a new attempt, maybe elsewhere
+            role.attempt += 1
+        role.host_id, role.device_indices, role.state = host_id, indices, R.PENDING
+        role.pid = role.exit_code = role.launched_at = role.exited_at = role.supervised_at = None
+        role.message, role.claimed_by, role.queued_at = "", "", timezone.now()
+        role.save()
+        _request_start(role, queue or f"host.{host_name}")
+        stream_role(role)
+        record_event(run.pk, "role_queued", {"role": role.name, "host": host_name, "attempt": role.attempt})
+    return role
+
+
+def resend_start(role_id: int) -> bool:
+    """Send a pending role's start task again (the broker may have lost it); True when sent."""
+    with transaction.atomic():
+        role = RunRole.objects.select_for_update().select_related("host").filter(pk=role_id, state=R.PENDING).first()
+        if role is None:
+            return False
+        role.queued_at = timezone.now()
+        role.save(update_fields=["queued_at"])
+        _request_start(role, role.host.queue or f"host.{role.host.name}")
+    return True
+
+
+# --- the end of a role process ---------------------------------------------------------------------
+
+
+def _last_json_line(log_tail: str) -> dict[str, Any]:
+    for line in reversed(log_tail.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return {}
+
+
+def last_error_line(log_tail: str) -> str:
+    """The runtime's one-line reason (``error: ...``) from the end of its log, or ''."""
+    for line in reversed(log_tail.splitlines()):
+        if line.startswith("error: "):
+            return line[len("error: ") :].strip()
+    return ""
+
+
+def _move(run: Run, target: RunState, reason: str = "") -> None:
+    try:
+        handler.transition(run, target, reason)
+    except IllegalTransition:
+        pass  # someone moved it first (a cancel, a stop command's ack): their state stands
+
+
+def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str = "", why: str = "") -> str:
+    """Record that the role's ``attempt`` ended, and decide what happens to its run; idempotent.
+
+    ``exit_code`` None: the process vanished without one (host rebooted, killed with its wrapper);
+    ``why`` then says what the supervisor saw. Returns what was decided (for logs and tests):
+    ``ignored`` (already handled), ``ended`` (the run was no longer active), ``completed``,
+    ``preempted``, ``cancelled``, ``failed`` or ``restarting``.
+    """
+    group_id = Experiment.objects.filter(runs__roles__pk=role_id).values_list("group_id", flat=True).first()
+    if group_id is None:
+        return "ignored"
+    with transaction.atomic():
+        locks.lock_group(group_id)
+        role = (
+            RunRole.objects.select_for_update()
+            .select_related("run", "host")
+            .filter(pk=role_id, attempt=attempt)
+            .exclude(state=R.EXITED)
+            .first()
+        )
+        if role is None:
+            return "ignored"
+        run = role.run
+        error = last_error_line(log_tail)
+        role.state, role.exit_code, role.exited_at = R.EXITED, exit_code, timezone.now()
+        role.message = (error or why or (f"exit code {exit_code}" if exit_code is not None else "vanished"))[:2000]
+        role.save(update_fields=["state", "exit_code", "exited_at", "message"])
+        record_event(
+            run.pk,
+            "role_exited",
+            {"role": role.name, "attempt": attempt, "exit_code": exit_code, "message": role.message},
+        )
+        decision = _decide(role, run, exit_code, log_tail, error, why)
+        stream_role(role)
+        run.refresh_from_db()
+        if RunState(run.state) not in ACTIVE_STATES and run.state != RunState.QUEUED:
+            revoke_run_tokens(run)
+    return decision
+
+
+def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error: str, why: str) -> str:
+    if RunState(run.state) not in ACTIVE_STATES:
+        return "ended"
+    if exit_code == 0:
+        outcome = _last_json_line(log_tail).get("outcome", "completed")
+        # A short run can end before its first heartbeat moved it to RUNNING: walk it there first.
+        if outcome != "cancelled" and run.state == RunState.ADMITTED:
+            _move(run, RunState.STARTING)
+        if outcome != "cancelled" and run.state == RunState.STARTING:
+            _move(run, RunState.RUNNING)
+        if outcome == "preempted":
+            _move(run, RunState.PREEMPTED, "preempted by a higher-priority run; requeued from its checkpoint")
+            _move(run, RunState.QUEUED, "requeued after preemption")
+            return "preempted"
+        if outcome == "cancelled":
+            _move(run, RunState.CANCELLED, "cancelled")
+            return "cancelled"
+        _move(run, RunState.COMPLETED)
+        return "completed"
+    if exit_code == EXIT_BAD_INPUT:
+        _move(run, RunState.FAILED, f"{role.name} rejected its input: {error or 'see its log'}")
+        return "failed"
+    what = error or why or f"exit code {exit_code}"
+    budget = int(run.resolved_spec.get("resources", {}).get("max_restarts", 3))
+    if role.restarts >= budget:
+        _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {what}")
+        return "failed"
+    role.attempt += 1
+    role.restarts += 1
+    role.state, role.queued_at = R.PENDING, timezone.now()
+    role.pid = role.exit_code = role.launched_at = role.exited_at = role.supervised_at = None
+    role.claimed_by = ""
+    role.message = f"restarting after: {what}"[:2000]
+    role.save()
+    _request_start(role, role.host.queue or f"host.{role.host.name}")
+    record_event(
+        run.pk,
+        "role_restarted",
+        {"role": role.name, "attempt": role.attempt, "restarts": role.restarts, "reason": what},
+    )
+    return "restarting"
+
+
+# --- the role watchdog (jobs.tasks.watch_roles, celery beat) ----------------------------------------
+
+
+def host_lost(role_id: int, attempt: int, host_name: str) -> str:
+    """The role's host is gone: the attempt is over, and the run goes back to the queue to resume from its
+    last checkpoint on other devices (counted against ``max_restarts``); returns the decision."""
+    group_id = Experiment.objects.filter(runs__roles__pk=role_id).values_list("group_id", flat=True).first()
+    if group_id is None:
+        return "ignored"
+    with transaction.atomic():
+        locks.lock_group(group_id)
+        role = (
+            RunRole.objects.select_for_update()
+            .select_related("run", "host")
+            .filter(pk=role_id, attempt=attempt)
+            .exclude(state=R.EXITED)
+            .first()
+        )
+        if role is None:
+            return "ignored"
+        run = role.run
+        why = f"host {host_name} lost"
+        role.state, role.exited_at, role.message = R.EXITED, timezone.now(), why
+        role.save(update_fields=["state", "exited_at", "message"])
+        record_event(run.pk, "role_lost", {"role": role.name, "attempt": attempt, "host": host_name})
+        stream_role(role)
+        if RunState(run.state) not in ACTIVE_STATES:
+            return "ended"
+        budget = int(run.resolved_spec.get("resources", {}).get("max_restarts", 3))
+        if role.restarts >= budget:
+            _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {why}")
+            return "failed"
+        RunRole.objects.filter(pk=role.pk).update(restarts=role.restarts + 1)
+        _move(run, RunState.PREEMPTED, f"{why}; requeued to resume from its last checkpoint")
+        _move(run, RunState.QUEUED, f"{why}; requeued")
+        return "requeued"
+
+
+def watch() -> dict[str, int]:
+    """One watchdog pass: hosts that stopped supervising their roles, start tasks the broker lost,
+    admitted runs never launched. Idempotent; returns counts."""
+    from rlplatform.models import HostStatus
+
+    now = timezone.now()
+    grace = datetime.timedelta(seconds=settings.TANDEM_HOST_GRACE_S)
+    launch_timeout = datetime.timedelta(seconds=settings.TANDEM_LAUNCH_TIMEOUT_S)
+    counts = {"lost": 0, "resent": 0, "launched": 0}
+    stale = RunRole.objects.filter(state__in=[R.LAUNCHING, R.RUNNING], supervised_at__lt=now - grace)
+    for role_id, attempt, host_name, status in stale.values_list("pk", "attempt", "host__name", "host__status"):
+        if status != HostStatus.ONLINE:  # an online host's agent is alive: its supervisor catches up
+            counts["lost"] += host_lost(role_id, attempt, host_name) != "ignored"
+    pending = RunRole.objects.filter(state=R.PENDING, queued_at__lt=now - launch_timeout)
+    for role_id, attempt, host_name, status in pending.values_list("pk", "attempt", "host__name", "host__status"):
+        if status == HostStatus.ONLINE:
+            counts["resent"] += resend_start(role_id)
+        else:
+            counts["lost"] += host_lost(role_id, attempt, host_name) != "ignored"
+    missed = Run.objects.filter(state=RunState.ADMITTED, admitted_at__lt=now - launch_timeout).exclude(
+        roles__state__in=[R.PENDING, R.LAUNCHING, R.RUNNING]
+    )
+    for run_id in missed.values_list("pk", flat=True):
+        counts["launched"] += launch_run(run_id) is not None
+    return counts

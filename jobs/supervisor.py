@@ -1,0 +1,356 @@
+"""The host side of role processes: start them, watch them, report their end.
+
+``start_role`` (the ``jobs.tasks.start_role`` task on the host's queue ``host.<name>``):
+
+1. claim the role's attempt with a conditional UPDATE pending -> launching, so a
+   redelivered or duplicated task (``acks_late``: a worker restart redelivers)
+   finds nothing to claim and neither loses nor doubles the role;
+2. prepare the run directory, the spec file (``output_dir`` = the run directory)
+   and a run token for this attempt (minted here: it never crosses the broker);
+3. start ``python -m runtime role trainer`` through jobs/rolewrap.py, detached
+   from this worker, with device visibility, the platform URL and the token in
+   its environment (and none of the platform's own secrets);
+4. record its pid and move the run ADMITTED -> STARTING (the runtime's first
+   ``running`` heartbeat moves it on to RUNNING, jobs.ingest.handler).
+
+:class:`Supervisor` (a thread of the host agent's worker, every
+``TANDEM_SUPERVISE_S``) looks at every role of its host that should be alive. It
+reads the state from the database and the role's files, not from memory, so a
+restarted worker adopts the roles its predecessor started:
+
+* ``exit_code`` written -> ``jobs.launch.role_exited`` (complete, fail, restart...);
+* the process is gone without one -> ``role_exited(None)``;
+* the run stopped being active (cancelled, stopped, failed) more than
+  ``STOP_GRACE_S`` ago and the process still lives -> SIGTERM to its process
+  group, SIGKILL ``KILL_GRACE_S`` later;
+* the process lives but its runtime has not heartbeated for ``TANDEM_ROLE_HANG_S``
+  -> hung: killed and reported, so it restarts from its last checkpoint. A slow
+  heartbeat alone never restarts a live process before that: a late reply is
+  not a death (the supervisor sees the process itself);
+* otherwise its ``supervised_at`` lease is renewed (the role watchdog,
+  jobs.tasks.watch_roles, treats a lapsed lease as a host that is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from celery.signals import worker_ready, worker_shutdown
+from django.conf import settings
+from django.db import close_old_connections, connection
+from django.utils import timezone
+
+from jobs import checkpoints, launch
+from jobs.ingest.tokens import mint_run_token
+from jobs.models import RoleHeartbeat, Run, RunRole
+from jobs.models import RoleState as R
+from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
+from rlplatform.agent import config_from_env
+
+logger = logging.getLogger(__name__)
+
+ROLEWRAP = Path(__file__).resolve().with_name("rolewrap.py")
+STOP_GRACE_S = 30.0  # a run that ended (stop acknowledged, cancelled) gets this long to exit by itself
+KILL_GRACE_S = 10.0  # between SIGTERM and SIGKILL
+LOG_TAIL_BYTES = 8192
+# The platform's own secrets and settings never reach a role process.
+WITHHELD_ENV_PREFIXES = ("DATABASE_", "REDIS_", "SECRET_KEY", "DJANGO_", "CELERY_", "TANDEM_", "ALLOWED_HOSTS")
+VISIBILITY_VARIABLE = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "gpu": "CUDA_VISIBLE_DEVICES"}
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
+    """The last ``size`` bytes of a file as text ('' when it is missing)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - size))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def process_alive(pid: int | None, marker: str) -> bool:
+    """Whether ``pid`` is a live (not zombie) process whose command line contains ``marker``
+    (a recycled pid belongs to another command line)."""
+    if not pid or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return True  # no procfs: trust the signal check
+    try:
+        if "\nState:\tZ" in (proc / "status").read_text():
+            return False
+        return marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+# --- start ------------------------------------------------------------------------------------------
+
+
+def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
+    spec = dict(run.resolved_spec)
+    spec["output_dir"] = role.workdir
+    fork_from = checkpoints.checkpoint_dir_for_path(run.parent_checkpoint) if run.parent_checkpoint else None
+    if fork_from is not None and not (Path(role.workdir) / "checkpoints").exists():
+        # A fork starts from the parent checkpoint's policy (its HF export), under its own (edited) spec.
+        spec["model"] = {**spec.get("model", {}), "path": str(fork_from / "policy")}
+    return spec
+
+
+def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(WITHHELD_ENV_PREFIXES)}
+    env.update(
+        TANDEM_PLATFORM_URL=settings.TANDEM_PLATFORM_URL,
+        TANDEM_RUN_TOKEN=token,
+        TANDEM_RUN_ID=str(run.pk),
+        TANDEM_ATTEMPT=str(role.attempt),
+        TANDEM_ROLE=role.name,
+        TANDEM_HOST_NAME=role.host.name,
+        TANDEM_HEARTBEAT_S=f"{settings.TANDEM_ROLE_HEARTBEAT_S:g}",
+        MASTER_ADDR=role.host.address or "127.0.0.1",
+        MASTER_PORT=str(29500 + run.pk % 10000),
+        PYTHONUNBUFFERED="1",
+    )
+    variable = VISIBILITY_VARIABLE.get(role.host.group.kind)
+    if variable:
+        env[variable] = ",".join(str(i) for i in role.device_indices)
+    return env
+
+
+def role_command(spec_path: Path, workdir: str) -> list[str]:
+    return [sys.executable, "-m", "runtime", "role", "trainer", "--spec", str(spec_path), "--workdir", workdir]
+
+
+def start_role(role_id: int, attempt: int) -> str:
+    """Claim and start one attempt of a role on this host; returns what happened (idempotent)."""
+    claimed = RunRole.objects.filter(pk=role_id, attempt=attempt, state=R.PENDING).update(
+        state=R.LAUNCHING, claimed_by=worker_id(), supervised_at=timezone.now()
+    )
+    if not claimed:
+        return "not-claimed"  # already started (a redelivered task) or superseded by a newer attempt
+    role = RunRole.objects.select_related("run", "host", "host__group").get(pk=role_id)
+    run = role.run
+    if RunState(run.state) not in ACTIVE_STATES:
+        launch.role_exited(role.pk, attempt, None, why=f"not started: the run is {run.state}")
+        return "run-inactive"
+    directory = launch.role_dir(role)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        spec_path = Path(role.workdir) / "spec.yaml"
+        spec_path.write_text(yaml.safe_dump(_role_spec(run, role), sort_keys=False))
+        env = _role_env(run, role, mint_run_token(run, attempt))
+        command = [sys.executable, str(ROLEWRAP), str(directory), "--", *role_command(spec_path, role.workdir)]
+        subprocess.run(command, env=env, cwd=settings.BASE_DIR, check=True, timeout=60)
+        pid = _wait_for_pid(directory / "pid")
+    except (OSError, subprocess.SubprocessError) as exc:
+        launch.role_exited(role.pk, attempt, None, why=f"could not start on {role.host.name}: {exc}")
+        return "start-failed"
+    RunRole.objects.filter(pk=role.pk, attempt=attempt, state=R.LAUNCHING).update(
+        state=R.RUNNING, pid=pid, launched_at=timezone.now(), supervised_at=timezone.now()
+    )
+    role.refresh_from_db()
+    launch.stream_role(role)
+    launch.record_event(
+        run.pk, "role_started", {"role": role.name, "host": role.host.name, "attempt": attempt, "pid": pid}
+    )
+    if run.state == RunState.ADMITTED:
+        try:
+            from jobs import handler
+
+            handler.transition(run, RunState.STARTING)
+        except IllegalTransition:
+            pass  # cancelled meanwhile: the supervisor stops the process
+    return "started"
+
+
+def _wait_for_pid(path: Path, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = _read_int(path)
+        if pid:
+            return pid
+        time.sleep(0.05)
+    raise OSError(f"the role wrapper wrote no pid file at {path} within {timeout:g} s")
+
+
+# --- supervise --------------------------------------------------------------------------------------
+
+
+class Supervisor:
+    """Watches the role processes of one host (see the module docstring)."""
+
+    def __init__(self, host_name: str, period_s: float):
+        self.host_name = host_name
+        self.period_s = period_s
+        self._terminating: dict[tuple[int, int], float] = {}  # (role, attempt) -> when SIGKILL is due
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def pass_once(self) -> dict[str, int]:
+        """One look at every role of this host that should be alive; returns counts of what was done."""
+        done = {"renewed": 0, "exited": 0, "killed": 0, "adopted": 0}
+        roles = list(
+            RunRole.objects.filter(host__name=self.host_name, state__in=[R.LAUNCHING, R.RUNNING]).select_related("run")
+        )
+        now = timezone.now()
+        for role in roles:
+            directory = launch.role_dir(role)
+            if role.state == R.LAUNCHING:
+                self._check_launching(role, directory, now, done)
+                continue
+            code = _read_int(directory / "exit_code")
+            if code is not None:
+                launch.role_exited(role.pk, role.attempt, code, read_tail(directory / "log"))
+                self._terminating.pop((role.pk, role.attempt), None)
+                done["exited"] += 1
+                continue
+            if not process_alive(role.pid, str(directory)):
+                launch.role_exited(
+                    role.pk, role.attempt, None, read_tail(directory / "log"), why="the process vanished"
+                )
+                done["exited"] += 1
+                continue
+            if self._should_stop(role, now):
+                self._terminate(role, done)
+            elif self._hung(role, now):
+                self._kill_now(role)
+                launch.role_exited(
+                    role.pk,
+                    role.attempt,
+                    None,
+                    read_tail(directory / "log"),
+                    why=f"hung: no heartbeat for {settings.TANDEM_ROLE_HANG_S:g} s",
+                )
+                done["killed"] += 1
+                continue
+            RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.RUNNING).update(supervised_at=now)
+            done["renewed"] += 1
+        return done
+
+    def _check_launching(self, role: RunRole, directory: Path, now, done: dict[str, int]) -> None:
+        """A start in progress here, or one its worker died in: adopt the process, or hand the start back."""
+        if role.claimed_by == worker_id():
+            return
+        lease = role.supervised_at
+        if lease is not None and (now - lease).total_seconds() < settings.TANDEM_LAUNCH_TIMEOUT_S:
+            return
+        pid = _read_int(directory / "pid")
+        if pid and process_alive(pid, str(directory)):
+            RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.LAUNCHING).update(
+                state=R.RUNNING, pid=pid, launched_at=now, supervised_at=now, claimed_by=worker_id()
+            )
+            done["adopted"] += 1
+        elif _read_int(directory / "exit_code") is not None or pid:
+            launch.role_exited(role.pk, role.attempt, _read_int(directory / "exit_code"), read_tail(directory / "log"))
+            done["exited"] += 1
+        else:  # claimed, never started: start it again
+            RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.LAUNCHING).update(state=R.PENDING)
+            launch.resend_start(role.pk)
+
+    def _should_stop(self, role: RunRole, now) -> bool:
+        run = role.run
+        if RunState(run.state) in ACTIVE_STATES:
+            return False
+        ended = run.finished_at or run.updated_at
+        return ended is None or (now - ended).total_seconds() >= STOP_GRACE_S or run.state == RunState.CANCELLED
+
+    def _terminate(self, role: RunRole, done: dict[str, int]) -> None:
+        key = (role.pk, role.attempt)
+        due = self._terminating.get(key)
+        try:
+            if due is None:
+                os.killpg(role.pid, signal.SIGTERM)
+                self._terminating[key] = time.monotonic() + KILL_GRACE_S
+                done["killed"] += 1
+            elif time.monotonic() >= due:
+                os.killpg(role.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already: the next pass reports it
+
+    def _kill_now(self, role: RunRole) -> None:
+        try:
+            os.killpg(role.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _hung(self, role: RunRole, now) -> bool:
+        seen = (
+            RoleHeartbeat.objects.filter(run_id=role.run_id, role=role.name, attempt=role.attempt)
+            .values_list("last_seen", flat=True)
+            .first()
+        )
+        since = seen or role.launched_at
+        return since is not None and (now - since).total_seconds() > settings.TANDEM_ROLE_HANG_S
+
+    # ---- the thread ----
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    close_old_connections()
+                    self.pass_once()
+                except Exception:  # a database outage must not end supervision
+                    logger.exception("role supervisor %s: pass failed", self.host_name)
+                self._stop.wait(self.period_s)
+        finally:
+            connection.close()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tandem-role-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, 2 * self.period_s))
+
+
+_supervisor: Supervisor | None = None
+
+
+@worker_ready.connect
+def _start_supervisor(sender, **kwargs) -> None:
+    """Every host agent (a worker with TANDEM_HOST_NAME) supervises its host's role processes."""
+    global _supervisor
+    config = config_from_env()
+    if config is None or _supervisor is not None:
+        return
+    _supervisor = Supervisor(config.host_name, settings.TANDEM_SUPERVISE_S)
+    _supervisor.start()
+
+
+@worker_shutdown.connect
+def _stop_supervisor(sender, **kwargs) -> None:
+    # The role processes live on (they are detached): the next worker on this host adopts them.
+    global _supervisor
+    if _supervisor is not None:
+        _supervisor.stop()
+        _supervisor = None

@@ -1,0 +1,224 @@
+"""jobs.launch: placing a run's role, and what each way a role process ends does to its run.
+
+The start tasks are captured (not sent): tests/launch/test_runs_e2e.py runs the real thing.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from django.utils import timezone
+
+from jobs import commands, handler, launch
+from jobs.handler import InvalidInput
+from jobs.models import Allocation, MetricPoint, RunEvent, RunRole, RunToken
+from jobs.models import RoleState as R
+from jobs.states import RunState
+from rlplatform.models import HostStatus
+
+
+@pytest.fixture(autouse=True)
+def _roots(settings, tmp_path):
+    settings.TANDEM_CHECKPOINT_ROOT = tmp_path
+
+
+def _starts(callbacks) -> list:
+    """The start tasks among the captured after-commit callbacks (the live stream has its own)."""
+    return [c for c in callbacks if "_request_start" in c.__qualname__]
+
+
+def _launched(run, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=False) as sent:
+        role = launch.launch_run(run.pk)
+    return role, _starts(sent)
+
+
+def test_launch_places_the_trainer_on_the_runs_devices(experiment, submit, django_capture_on_commit_callbacks):
+    run = submit(experiment, devices=2)
+    assert run.state == RunState.ADMITTED
+    role, sent = _launched(run, django_capture_on_commit_callbacks)
+    devices = list(Allocation.objects.active().filter(run=run).values_list("device__host_id", "device__index"))
+    assert {h for h, _ in devices} == {role.host_id}
+    assert (role.name, role.state, role.attempt, role.restarts) == ("trainer-0", R.PENDING, 0, 0)
+    assert role.device_indices == sorted(i for _, i in devices)
+    assert role.workdir == str(launch.run_dir(run.pk))
+    assert len(sent) == 1  # the start task, to the host's queue, after commit
+    assert RunEvent.objects.filter(run=run, role=launch.PLATFORM_ROLE, kind="role_queued").count() == 1
+    # Idempotent: a second launch (a redelivered launch task) changes nothing and sends nothing.
+    again, sent_again = _launched(run, django_capture_on_commit_callbacks)
+    assert again is None and sent_again == []
+    assert RunRole.objects.filter(run=run).count() == 1
+
+
+def test_a_run_that_is_not_admitted_is_not_launched(experiment, submit, start, django_capture_on_commit_callbacks):
+    run = start(submit(experiment))
+    role, sent = _launched(run, django_capture_on_commit_callbacks)
+    assert role is None and sent == [] and not RunRole.objects.filter(run=run).exists()
+
+
+def test_a_run_placed_across_hosts_fails_with_the_reason(experiment, submit, django_capture_on_commit_callbacks):
+    run = submit(experiment, devices=6)  # two hosts of four devices: no single host fits
+    assert Allocation.objects.active().filter(run=run).values("device__host").distinct().count() == 2
+    role, sent = _launched(run, django_capture_on_commit_callbacks)
+    run.refresh_from_db()
+    assert role is None and sent == []
+    assert run.state == RunState.FAILED
+    assert run.reason == "its 6 devices lie on 2 hosts; a run is launched on one host only"
+    assert not Allocation.objects.active().filter(run=run).exists()
+
+
+@pytest.fixture
+def launched(experiment, submit, django_capture_on_commit_callbacks):
+    """A run whose trainer role is started (RUNNING) on attempt 0."""
+
+    def make(**spec_resources):
+        run = submit(experiment)
+        if spec_resources:
+            run.resolved_spec["resources"].update(spec_resources)
+            run.save(update_fields=["resolved_spec"])
+        role, _ = _launched(run, django_capture_on_commit_callbacks)
+        RunRole.objects.filter(pk=role.pk).update(state=R.RUNNING, pid=999999, launched_at=timezone.now())
+        handler.transition(run, RunState.STARTING)
+        role.refresh_from_db()
+        return run, role
+
+    return make
+
+
+def _exit(role, code, log="", why="", capture=None):
+    if capture is None:
+        return launch.role_exited(role.pk, role.attempt, code, log, why)
+    with capture(execute=False) as sent:
+        decision = launch.role_exited(role.pk, role.attempt, code, log, why)
+    return decision, _starts(sent)
+
+
+def test_exit_zero_completes_the_run_and_revokes_its_tokens(launched):
+    run, role = launched()
+    from jobs.ingest.tokens import mint_run_token
+
+    mint_run_token(run, 0)
+    log = 'step 3\n{"outcome": "completed", "steps": 3, "checkpoint": null}\n'
+    assert _exit(role, 0, log) == "completed"
+    run.refresh_from_db()
+    role.refresh_from_db()
+    assert run.state == RunState.COMPLETED  # walked STARTING -> RUNNING -> COMPLETED
+    assert (role.state, role.exit_code) == (R.EXITED, 0)
+    assert not RunToken.objects.filter(run=run, revoked_at__isnull=True).exists()
+    assert not Allocation.objects.active().filter(run=run).exists()
+    assert _exit(role, 0, log) == "ignored"  # reported twice (a supervisor restarted): once only
+
+
+def test_bad_input_fails_the_run_at_starting_with_the_runtimes_message(launched):
+    run, role = launched()
+    log = "error: model.path: no such directory: /nope\n"
+    assert _exit(role, 2, log) == "failed"
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED
+    assert run.reason == "trainer-0 rejected its input: model.path: no such directory: /nope"
+
+
+def test_a_crash_restarts_the_trainer_until_the_budget_is_spent(launched, django_capture_on_commit_callbacks):
+    run, role = launched(max_restarts=2)
+    for attempt in (1, 2):
+        decision, sent = _exit(role, 137, "", capture=django_capture_on_commit_callbacks)
+        role.refresh_from_db()
+        assert decision == "restarting" and len(sent) == 1
+        assert (role.state, role.attempt, role.restarts) == (R.PENDING, attempt, attempt)
+        RunRole.objects.filter(pk=role.pk).update(state=R.RUNNING, pid=999999)
+        role.refresh_from_db()
+    run.refresh_from_db()
+    assert run.state == RunState.STARTING  # a restart keeps the run and its devices
+    assert Allocation.objects.active().filter(run=run).count() == 1
+    assert _exit(role, 1, "error: RuntimeError: out of memory\n") == "failed"
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED
+    assert run.reason == "trainer-0 failed after 2 restarts: RuntimeError: out of memory"
+    kinds = list(RunEvent.objects.filter(run=run, role=launch.PLATFORM_ROLE).values_list("kind", flat=True))
+    assert kinds.count("role_restarted") == 2 and kinds.count("role_exited") == 3
+
+
+def test_a_preempted_exit_requeues_the_run(launched):
+    run, role = launched()
+    handler.transition(run, RunState.RUNNING)
+    assert _exit(role, 0, '{"outcome": "preempted", "steps": 4, "checkpoint": "x"}\n') == "preempted"
+    run.refresh_from_db()
+    # Requeued, then admitted again at once (the group has room): a new attempt follows.
+    assert run.state in (RunState.QUEUED, RunState.ADMITTED)
+    assert RunEvent.objects.filter(run=run, kind="role_exited").count() == 1
+
+
+def test_the_exit_of_a_cancelled_run_only_records_the_role(launched):
+    run, role = launched()
+    handler.cancel_run(None, run)
+    assert _exit(role, 143) == "ended"
+    run.refresh_from_db()
+    role.refresh_from_db()
+    assert run.state == RunState.CANCELLED and role.state == R.EXITED and role.exit_code == 143
+
+
+def test_a_lost_host_requeues_the_run_and_the_watchdog_finds_it(launched, settings):
+    settings.TANDEM_HOST_GRACE_S = 5
+    run, role = launched()
+    handler.transition(run, RunState.RUNNING)
+    long_ago = timezone.now() - datetime.timedelta(seconds=60)
+    RunRole.objects.filter(pk=role.pk).update(supervised_at=long_ago)
+    role.host.status = HostStatus.ONLINE
+    role.host.save()
+    assert launch.watch()["lost"] == 0  # its agent is alive: a late supervisor is not a lost host
+    role.host.status = HostStatus.LOST
+    role.host.save()
+    assert launch.watch()["lost"] == 1
+    run.refresh_from_db()
+    role.refresh_from_db()
+    assert role.state == R.EXITED and role.message == f"host {role.host.name} lost"
+    assert role.restarts == 1
+    assert run.state in (RunState.QUEUED, RunState.ADMITTED)
+
+
+def test_the_watchdog_resends_a_start_task_nobody_claimed(launched, settings, django_capture_on_commit_callbacks):
+    settings.TANDEM_LAUNCH_TIMEOUT_S = 5
+    run, role = launched()
+    RunRole.objects.filter(pk=role.pk).update(state=R.PENDING, queued_at=timezone.now() - datetime.timedelta(60))
+    role.host.status = HostStatus.ONLINE
+    role.host.save()
+    with django_capture_on_commit_callbacks(execute=False) as sent:
+        counts = launch.watch()
+    assert counts["resent"] == 1 and len(_starts(sent)) == 1
+    role.refresh_from_db()
+    assert (timezone.now() - role.queued_at).total_seconds() < 5
+
+
+def test_a_restarted_attempt_rewinds_the_earlier_attempts_steps_after_its_checkpoint(run):
+    from jobs.ingest import handler as ingest
+    from jobs.ingest.tokens import authenticate_run_token, mint_run_token
+
+    first = authenticate_run_token(mint_run_token(run, 0))
+    ingest.ingest_batch(first, {"points": [{"step": s, "metrics": {"reward/mean": s}} for s in range(1, 7)]})
+    second = authenticate_run_token(mint_run_token(run, 1))
+    ingest.ingest_batch(second, {"events": [{"seq": 1, "kind": "resume", "payload": {"step": 4}}]})
+    live = sorted(MetricPoint.objects.filter(run=run).live().values_list("attempt", "step"))
+    assert live == [(0, 1), (0, 2), (0, 3), (0, 4)]
+    assert sorted(MetricPoint.objects.filter(run=run, rewound=True).values_list("step", flat=True)) == [5, 6]
+
+
+def test_the_first_running_heartbeat_moves_a_starting_run_to_running(experiment, submit):
+    from jobs.ingest import handler as ingest
+    from jobs.ingest.tokens import authenticate_run_token, mint_run_token
+
+    run = submit(experiment)
+    handler.transition(run, RunState.STARTING)
+    token = authenticate_run_token(mint_run_token(run, 0))
+    ingest.heartbeat(token, {"role": "trainer-0", "status": "starting"})
+    run.refresh_from_db()
+    assert run.state == RunState.STARTING
+    ingest.heartbeat(token, {"role": "trainer-0", "status": "running"})
+    run.refresh_from_db()
+    assert run.state == RunState.RUNNING and run.started_at is not None
+
+
+def test_users_cannot_send_preempt(run, owner):
+    with pytest.raises(InvalidInput, match="preempt is issued by the platform's scheduler only"):
+        commands.create(owner, run, "preempt")
+    assert not run.commands.exists()
