@@ -11,7 +11,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.db import transaction
 
-from jobs import accounting, admission, checkpoints, launch, stream
+from jobs import accounting, admission, checkpoints, launch, preemption, stream
 from jobs.models import Allocation, CheckpointRecord, Run
 
 
@@ -25,6 +25,7 @@ def admit_pending() -> int:
         admitted += len(admission.admit_group(group_id))
         with transaction.atomic():
             stream.append_state_changes(group_id, states)  # live UI: admitted runs, new queue positions
+        preemption.preempt_for_waiting(group_id)  # the first waiting run may take preemptible runs' devices
     return admitted
 
 

@@ -1,0 +1,86 @@
+"""Preemption: a waiting higher-priority run takes the devices of preemptible lower-priority runs.
+
+When the first run in a group's queue waits for free devices (not for its quota),
+the pass looks among the group's RUNNING or PAUSED runs whose spec says
+``resources.preemptible: true`` and whose effective priority is lower than the
+waiting run's, lowest priority first (then the most recently started, which
+loses the least work). It picks the fewest such victims whose devices, with the
+free ones, let the waiting run be placed on one host, and sends each a
+``preempt`` command. The runtime writes a checkpoint and exits; jobs.launch then
+moves the victim PREEMPTED -> QUEUED, admission gives the devices to the waiting
+run, and the victim resumes from its checkpoint when devices free up again.
+
+A victim with a preempt command still pending or delivered is not asked twice;
+nothing is sent when even all candidates together would not make room.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce, Least
+
+from jobs import admission, commands, launch, placement
+from jobs.models import Allocation, Command, CommandKind, CommandState, Run
+from jobs.states import RunState
+from rlplatform import locks
+
+NO_FREE_DEVICES = "no free "  # the start of admission's reason for a run that waits for devices
+
+
+def _effective_priority(queryset):
+    return queryset.annotate(
+        effective_priority=Least(Coalesce("priority", "experiment__quota__priority"), F("experiment__quota__priority"))
+    )
+
+
+def preempt_for_waiting(group_id: int) -> list[int]:
+    """One preemption pass over a group; returns the runs sent a preempt command."""
+    with transaction.atomic():
+        locks.lock_group(group_id)
+        waiting = (
+            _effective_priority(Run.objects.queued().filter(experiment__group_id=group_id))
+            .order_by(F("effective_priority").desc(), "submitted_at", "pk")
+            .values_list("pk", "effective_priority", "devices_requested", "reason")
+            .first()
+        )
+        if waiting is None or not waiting[3].startswith(NO_FREE_DEVICES):
+            return []
+        waiting_id, priority, need, _reason = waiting
+        in_progress = Command.objects.filter(
+            kind=CommandKind.PREEMPT, state__in=[CommandState.PENDING, CommandState.DELIVERED]
+        ).values("run_id")
+        candidates = [
+            run
+            for run in _effective_priority(
+                Run.objects.filter(experiment__group_id=group_id, state__in=[RunState.RUNNING, RunState.PAUSED])
+                .exclude(pk__in=in_progress)
+                .select_related("experiment")
+            ).order_by("effective_priority", F("started_at").desc(nulls_last=True), "-pk")
+            if run.effective_priority < priority and run.resolved_spec.get("resources", {}).get("preemptible")
+        ]
+        victims = _fewest_victims(group_id, need, candidates)
+        for victim in victims:
+            commands.create(None, victim, CommandKind.PREEMPT)
+            launch.record_event(victim.pk, "preempting", {"for_run": waiting_id})
+    return [v.pk for v in victims]
+
+
+def _fewest_victims(group_id: int, need: int, candidates: list[Run]) -> list[Run]:
+    """The shortest prefix of ``candidates`` whose devices, added to the free ones, place ``need`` on one host."""
+    free_by_host, _host_of, _switch_of, _ = admission._free_devices(group_id)
+    held = {}
+    for run_id, device_id, host_id in (
+        Allocation.objects.active().filter(run__in=candidates).values_list("run_id", "device_id", "device__host_id")
+    ):
+        held.setdefault(run_id, []).append((device_id, host_id))
+    pool = {host: list(devices) for host, devices in free_by_host.items()}
+    chosen: list[Run] = []
+    for run in candidates:
+        for device_id, host_id in held.get(run.pk, []):
+            pool.setdefault(host_id, []).append(device_id)
+        chosen.append(run)
+        one_host = {h: d for h, d in pool.items() if len(d) >= need}
+        if one_host and placement.place(need, one_host, {}) is not None:
+            return chosen
+    return []
