@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,17 @@ def run_dir(run_id: int) -> Path:
 def role_dir(role: RunRole) -> Path:
     """One attempt's files: ``pid``, ``log``, ``exit_code`` (jobs/rolewrap.py)."""
     return Path(role.workdir) / "roles" / role.name / f"attempt-{role.attempt}"
+
+
+def read_tail(path: Path, size: int = 8192) -> str:
+    """The last ``size`` bytes of a file as text ('' when it is missing): a role's log."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - size))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 # --- sending tasks (after commit, never inside the transaction that decided them) ------------------

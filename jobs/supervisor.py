@@ -62,7 +62,6 @@ logger = logging.getLogger(__name__)
 ROLEWRAP = Path(__file__).resolve().with_name("rolewrap.py")
 STOP_GRACE_S = 30.0  # a run that ended (stop acknowledged, cancelled) gets this long to exit by itself
 KILL_GRACE_S = 10.0  # between SIGTERM and SIGKILL
-LOG_TAIL_BYTES = 8192
 # The platform's own secrets and settings never reach a role process.
 WITHHELD_ENV_PREFIXES = ("DATABASE_", "REDIS_", "SECRET_KEY", "DJANGO_", "CELERY_", "TANDEM_", "ALLOWED_HOSTS")
 VISIBILITY_VARIABLE = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "gpu": "CUDA_VISIBLE_DEVICES"}
@@ -70,17 +69,6 @@ VISIBILITY_VARIABLE = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "gpu": "CUDA_VISIBLE_
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def read_tail(path: Path, size: int = LOG_TAIL_BYTES) -> str:
-    """The last ``size`` bytes of a file as text ('' when it is missing)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - size))
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _read_int(path: Path) -> int | None:
@@ -228,13 +216,13 @@ class Supervisor:
                 continue
             code = _read_int(directory / "exit_code")
             if code is not None:
-                launch.role_exited(role.pk, role.attempt, code, read_tail(directory / "log"))
+                launch.role_exited(role.pk, role.attempt, code, launch.read_tail(directory / "log"))
                 self._terminating.pop((role.pk, role.attempt), None)
                 done["exited"] += 1
                 continue
             if not process_alive(role.pid, str(directory)):
                 launch.role_exited(
-                    role.pk, role.attempt, None, read_tail(directory / "log"), why="the process vanished"
+                    role.pk, role.attempt, None, launch.read_tail(directory / "log"), why="the process vanished"
                 )
                 done["exited"] += 1
                 continue
@@ -246,7 +234,7 @@ class Supervisor:
                     role.pk,
                     role.attempt,
                     None,
-                    read_tail(directory / "log"),
+                    launch.read_tail(directory / "log"),
                     why=f"hung: no heartbeat for {settings.TANDEM_ROLE_HANG_S:g} s",
                 )
                 done["killed"] += 1
@@ -269,7 +257,9 @@ class Supervisor:
             )
             done["adopted"] += 1
         elif _read_int(directory / "exit_code") is not None or pid:
-            launch.role_exited(role.pk, role.attempt, _read_int(directory / "exit_code"), read_tail(directory / "log"))
+            launch.role_exited(
+                role.pk, role.attempt, _read_int(directory / "exit_code"), launch.read_tail(directory / "log")
+            )
             done["exited"] += 1
         else:  # claimed, never started: start it again
             RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.LAUNCHING).update(state=R.PENDING)

@@ -165,19 +165,27 @@ function onRole(data) {
     row = el("tr", { "data-role": data.role });
     row.append(
       el("td", {}, data.role),
-      el("td", { class: "num" }, data.attempt ?? ""),
+      el("td", { class: "num role-attempt" }),
       el("td", { class: "role-status" }),
       el("td", { class: "role-host" }),
-      el("td", {}, data.devices ?? "—"),
-      el("td", { class: "num" }, data.restarts ?? 0),
+      el("td", { class: "role-devices" }),
+      el("td", { class: "num role-restarts" }),
       el("td", { class: "role-seen" }),
       el("td", {}, el("pre", { class: "log-tail" }, data.log_tail || "")),
     );
     body.append(row);
   }
-  row.querySelector(".role-status").textContent = data.status;
-  row.querySelector(".role-host").textContent = data.host || "—";
-  row.querySelector(".role-seen").textContent = fmtTime(data.last_seen);
+  // A live update carries only what changed: keep what the row already shows for the rest.
+  const set = (cls, value) => {
+    if (value !== undefined && value !== null) row.querySelector(cls).textContent = value;
+  };
+  set(".role-attempt", data.attempt);
+  set(".role-status", data.exit_code != null ? `${data.status} (exit ${data.exit_code})` : data.status);
+  set(".role-host", data.host || undefined);
+  set(".role-devices", Array.isArray(data.devices) ? data.devices.join(",") || "—" : data.devices);
+  set(".role-restarts", data.restarts);
+  set(".role-seen", data.last_seen ? fmtTime(data.last_seen) : undefined);
+  if (data.log_tail) row.querySelector(".log-tail").textContent = data.log_tail;
 }
 
 function onEvent(data) {

@@ -17,12 +17,14 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
-from jobs import checkpoints, commands, series
+from jobs import checkpoints, commands, launch, series
 from jobs.api.views import JobsAPIViewMixin
 from jobs.handler import InvalidInput
-from jobs.models import CheckpointRecord, Command, ConfigVersion, RoleHeartbeat, Run, RunEvent
+from jobs.models import CheckpointRecord, Command, ConfigVersion, RoleHeartbeat, RoleState, Run, RunEvent, RunRole
 from rlplatform import permissions as perms
 from rlplatform.api import ErrorsSerializer
+
+LOG_TAIL_BYTES = 4096  # of a role's log, in the roles table
 
 MAX_KEY_LENGTH = 200
 TRUE_VALUES = ("1", "true", "yes")
@@ -243,29 +245,52 @@ class CheckpointViewSet(RunScopedMixin, viewsets.ViewSet):
 
 
 class RunRolesViewSet(RunScopedMixin, viewsets.ViewSet):
-    """The run's role processes: latest attempt of each role first, with host, devices, restarts, log tail."""
+    """The run's role processes: as the platform launched them (host, devices, process state, restarts, exit,
+    log tail) and as they last reported (heartbeat status, last seen)."""
 
     @extend_schema(responses={200: OpenApiTypes.OBJECT})
     def list(self, request, run_id=None):
         run = self.get_run()
-        beats = list(RoleHeartbeat.objects.filter(run=run).order_by("role", "-attempt"))
-        attempts: dict[str, int] = {}
-        for beat in beats:
-            attempts[beat.role] = attempts.get(beat.role, 0) + 1
-        out, seen = [], set()
-        for beat in beats:
-            if beat.role in seen:
-                continue  # older attempts count as restarts only
-            seen.add(beat.role)
+        beats: dict[tuple[str, int], RoleHeartbeat] = {}
+        latest: dict[str, RoleHeartbeat] = {}
+        for beat in RoleHeartbeat.objects.filter(run=run).order_by("role", "-attempt"):
+            beats[(beat.role, beat.attempt)] = beat
+            latest.setdefault(beat.role, beat)
+        out = []
+        for role in RunRole.objects.filter(run=run).select_related("host"):
+            beat = beats.get((role.name, role.attempt))
+            out.append(
+                {
+                    "role": role.name,
+                    "attempt": role.attempt,
+                    "status": beat.status if beat is not None and role.state == RoleState.RUNNING else role.state,
+                    "process": role.state,
+                    "host": role.host.name,
+                    "devices": role.device_indices,
+                    "restarts": role.restarts,
+                    "exit_code": role.exit_code,
+                    "message": role.message,
+                    "first_seen": beat.first_seen if beat else role.launched_at,
+                    "last_seen": beat.last_seen if beat else role.supervised_at,
+                    "log_tail": launch.read_tail(launch.role_dir(role) / "log", LOG_TAIL_BYTES),
+                }
+            )
+        launched = {r["role"] for r in out}
+        for name, beat in latest.items():
+            if name in launched:
+                continue  # a child of a launched role reports under its own name only when it has one
             info = beat.info or {}
             out.append(
                 {
-                    "role": beat.role,
+                    "role": name,
                     "attempt": beat.attempt,
                     "status": beat.status,
+                    "process": "",
                     "host": info.get("host", ""),
                     "devices": info.get("devices", []),
-                    "restarts": info.get("restarts", attempts[beat.role] - 1),
+                    "restarts": beat.attempt,
+                    "exit_code": None,
+                    "message": "",
                     "first_seen": beat.first_seen,
                     "last_seen": beat.last_seen,
                     "log_tail": info.get("log_tail", ""),

@@ -182,3 +182,30 @@ def test_set_params_by_viewer_is_403_and_records_nothing(run, viewer, api_as):
     payload = {"kind": "set_params", "args": {"params": {"trainer.lr": 0.1}}}
     assert api_as(viewer).post(f"/api/runs/{run.pk}/commands/", payload, format="json").status_code == 403
     assert ConfigVersion.objects.count() == 0
+
+
+def test_roles_table_shows_launched_roles_with_their_log_tail(run, viewer, api_as, settings, tmp_path):
+    from jobs import launch
+    from jobs.models import RunRole
+
+    settings.TANDEM_CHECKPOINT_ROOT = tmp_path
+    device = run.allocations.get().device
+    role = RunRole.objects.create(
+        run=run,
+        name="trainer-0",
+        host=device.host,
+        device_indices=[device.index],
+        attempt=1,
+        restarts=1,
+        state="running",
+        workdir=str(launch.run_dir(run.pk)),
+    )
+    log = launch.role_dir(role) / "log"
+    log.parent.mkdir(parents=True)
+    log.write_text("x" * 10_000 + "step 7 done\n")
+    RoleHeartbeat.objects.create(run=run, role="trainer-0", attempt=1, status="paused", info={})
+    body = api_as(viewer).get(f"/api/runs/{run.pk}/roles/").json()
+    assert [
+        (r["role"], r["attempt"], r["status"], r["process"], r["host"], r["devices"], r["restarts"]) for r in body
+    ] == [("trainer-0", 1, "paused", "running", device.host.name, [device.index], 1)]
+    assert body[0]["log_tail"].endswith("step 7 done\n") and len(body[0]["log_tail"]) == 4096
