@@ -38,7 +38,7 @@ from jobs import accounting, placement
 from jobs.models import Allocation, Run
 from jobs.states import RunState
 from rlplatform import locks
-from rlplatform.models import Device, HostStatus, Quota, ResourceGroup
+from rlplatform.models import Device, Host, HostStatus, Quota, ResourceGroup
 
 WAITING_FOR_ADMISSION = "waiting for admission"
 
@@ -89,6 +89,11 @@ def _free_devices(group_id: int) -> tuple[dict[int, list[int]], dict[int, int], 
     return free_by_host, host_of, switch_of, schedulable.count()
 
 
+def _host_names(host_ids: list[int]) -> str:
+    names = Host.objects.filter(pk__in=host_ids).order_by("name").values_list("name", flat=True)
+    return ", ".join(names) or "excluded hosts"
+
+
 def _quota_reason(quota: Quota, usage: _Usage, need: int, workers: int) -> str | None:
     if quota.device_hour_budget is not None:
         used_h = (quota.device_seconds_used + usage.unaccrued_seconds) / 3600.0
@@ -114,7 +119,15 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
             )
         )
         .order_by(F("effective_priority").desc(), "submitted_at", "pk")
-        .values_list("pk", "experiment__quota_id", "devices_requested", "rollout_workers", "reason", "queue_position")
+        .values_list(
+            "pk",
+            "experiment__quota_id",
+            "devices_requested",
+            "rollout_workers",
+            "reason",
+            "queue_position",
+            "excluded_hosts",
+        )
     )
     rows = list(queued)
     if not rows:
@@ -131,7 +144,7 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
     changed: list[tuple[int, str, int]] = []
     held_back_by: int | None = None
     position = 0
-    for run_id, quota_id, need, workers, old_reason, old_position in rows:
+    for run_id, quota_id, need, workers, old_reason, old_position, excluded in rows:
         quota = quotas.get(quota_id)
         if quota is None:
             reason = "the experiment's quota belongs to another resource group"
@@ -143,10 +156,15 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
         elif reason is None and held_back_by is not None and not backfill:
             reason = f"waiting behind run {held_back_by} for free {group.kind} devices"
         elif reason is None:
-            chosen = placement.place(need, free_by_host, switch_of)
+            allowed = {h: d for h, d in free_by_host.items() if h not in excluded} if excluded else free_by_host
+            chosen = placement.place(need, allowed, switch_of)
             if chosen is None:
                 reason = f"no free {group.kind} devices in group {group.name} (need {need}, free {free_count})"
-                held_back_by = held_back_by or run_id
+                if excluded:
+                    reason += f"; not on {_host_names(excluded)}, where it kept failing"
+                if not excluded or placement.place(need, free_by_host, switch_of) is None:
+                    # (a run kept off a host only by its exclusion must not hold the queue behind it)
+                    held_back_by = held_back_by or run_id
             else:
                 placement.take(free_by_host, host_of, chosen)
                 free_count -= need

@@ -285,6 +285,19 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
     if role.restarts >= budget:
         _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {what}")
         return "failed"
+    failures = dict(role.host_failures)
+    failures[str(role.host_id)] = failures.get(str(role.host_id), 0) + 1
+    role.host_failures = failures
+    if failures[str(role.host_id)] >= settings.TANDEM_HOST_FAILURE_LIMIT:
+        # It keeps failing here: try other devices, from the last checkpoint (shared run directory).
+        role.restarts += 1
+        role.save(update_fields=["host_failures", "restarts"])
+        Run.objects.filter(pk=run.pk).update(excluded_hosts=sorted({*run.excluded_hosts, role.host_id}))
+        reason = f"{role.name} failed {failures[str(role.host_id)]} times on host {role.host.name}"
+        _move(run, RunState.PREEMPTED, f"{reason}: {what}")
+        _move(run, RunState.QUEUED, f"{reason}; requeued for other hosts")
+        record_event(run.pk, "host_excluded", {"role": role.name, "host": role.host.name, "reason": what})
+        return "requeued"
     role.attempt += 1
     role.restarts += 1
     role.state, role.queued_at = R.PENDING, timezone.now()

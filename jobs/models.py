@@ -71,6 +71,9 @@ class Run(models.Model):
         null=True, blank=True, help_text="1-based, among queued runs of the group"
     )
     parent_checkpoint = models.CharField(max_length=500, blank=True, help_text="Checkpoint this run forks from")
+    excluded_hosts = models.JSONField(
+        default=list, blank=True, help_text="Ids of hosts admission must not place it on (its role kept failing there)"
+    )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -157,6 +160,7 @@ class RunRole(models.Model):
     device_indices = models.JSONField(default=list, help_text="Indices of the host's devices the role sees")
     attempt = models.PositiveIntegerField(default=0)
     restarts = models.PositiveIntegerField(default=0, help_text="Restarts after failures (not preemptions)")
+    host_failures = models.JSONField(default=dict, blank=True, help_text="Failed attempts per host id")
     state = models.CharField(max_length=10, choices=RoleState.choices, default=RoleState.PENDING)
     pid = models.IntegerField(null=True, blank=True, help_text="Process group of the role on its host")
     exit_code = models.IntegerField(null=True, blank=True)

@@ -201,6 +201,8 @@ TANDEM_ROLE_HEARTBEAT_S = env_float("TANDEM_ROLE_HEARTBEAT_S", 5.0, minimum=0.1)
 TANDEM_ROLE_HANG_S = env_float("TANDEM_ROLE_HANG_S", 600.0, minimum=1.0)
 TANDEM_LAUNCH_TIMEOUT_S = env_float("TANDEM_LAUNCH_TIMEOUT_S", 120.0, minimum=1.0)
 TANDEM_WATCH_ROLES_S = env_float("TANDEM_WATCH_ROLES_S", 10.0, minimum=0.5)
+# A role that fails this many times on one host has its run requeued away from that host.
+TANDEM_HOST_FAILURE_LIMIT = env_int("TANDEM_HOST_FAILURE_LIMIT", 2, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "watch-roles": {"task": "jobs.tasks.watch_roles", "schedule": TANDEM_WATCH_ROLES_S},
     "admit-pending": {"task": "jobs.tasks.admit_pending", "schedule": TANDEM_ADMISSION_INTERVAL_S},

@@ -119,7 +119,8 @@ def test_bad_input_fails_the_run_at_starting_with_the_runtimes_message(launched)
     assert run.reason == "trainer-0 rejected its input: model.path: no such directory: /nope"
 
 
-def test_a_crash_restarts_the_trainer_until_the_budget_is_spent(launched, django_capture_on_commit_callbacks):
+def test_a_crash_restarts_the_trainer_until_the_budget_is_spent(launched, settings, django_capture_on_commit_callbacks):
+    settings.TANDEM_HOST_FAILURE_LIMIT = 10  # all on one host here (moving hosts: the test below)
     run, role = launched(max_restarts=2)
     for attempt in (1, 2):
         decision, sent = _exit(role, 137, "", capture=django_capture_on_commit_callbacks)
@@ -222,3 +223,45 @@ def test_users_cannot_send_preempt(run, owner):
     with pytest.raises(InvalidInput, match="preempt is issued by the platform's scheduler only"):
         commands.create(owner, run, "preempt")
     assert not run.commands.exists()
+
+
+def test_a_role_that_keeps_failing_on_a_host_is_moved_to_another(
+    launched, settings, django_capture_on_commit_callbacks
+):
+    settings.TANDEM_HOST_FAILURE_LIMIT = 2
+    run, role = launched(max_restarts=5)
+    first_host = role.host
+    assert _exit(role, 1, "error: RuntimeError: device error\n") == "restarting"
+    role.refresh_from_db()
+    RunRole.objects.filter(pk=role.pk).update(state=R.RUNNING, pid=999999)
+    role.refresh_from_db()
+    with django_capture_on_commit_callbacks(execute=False):
+        assert _exit(role, 1, "error: RuntimeError: device error\n") == "requeued"
+    run.refresh_from_db()
+    assert run.excluded_hosts == [first_host.pk]
+    assert run.state == RunState.ADMITTED  # requeued, and admitted at once on the group's other host
+    device_hosts = set(Allocation.objects.active().filter(run=run).values_list("device__host_id", flat=True))
+    assert device_hosts and first_host.pk not in device_hosts
+    assert RunEvent.objects.filter(run=run, kind="host_excluded").count() == 1
+    with django_capture_on_commit_callbacks(execute=False):
+        moved = launch.launch_run(run.pk)
+    assert moved.host_id != first_host.pk and moved.attempt == role.attempt + 1 and moved.restarts == 2
+
+
+def test_a_run_kept_off_its_only_host_waits_without_holding_the_queue(make_group, make_experiment, team_a, owner):
+    from jobs.models import Run
+
+    group = make_group("single", "cpu", hosts=[("h1", 4, "sw1")], teams=[team_a])
+    experiment = make_experiment(team_a, group, "single")
+    host = group.hosts.get()
+    kept_off, _ = handler.submit_run(owner, experiment, "name: a\n")
+    Run.objects.filter(pk=kept_off.pk).update(excluded_hosts=[host.pk])
+    handler.transition(kept_off, RunState.PREEMPTED, "failed twice on h1")
+    handler.requeue_run(kept_off)
+    kept_off.refresh_from_db()
+    assert kept_off.state == RunState.QUEUED
+    assert kept_off.reason == (
+        f"no free cpu devices in group single (need 1, free 4); not on {host.name}, where it kept failing"
+    )
+    later, _ = handler.submit_run(owner, experiment, "name: b\n")
+    assert later.state == RunState.ADMITTED  # not held back behind the run kept off the host
