@@ -5,7 +5,8 @@
 What it does:
 1. migrates the database in DATABASE_URL and seeds its own team, CPU group,
    experiment, RUNNING run, run token and a signed-in user session (deleted at the end);
-2. starts uvicorn on ``rlplatform.asgi:application`` (one worker) as a subprocess;
+2. starts uvicorn on ``rlplatform.asgi:application`` as a subprocess with ``--workers``
+   processes (default 2: what docker-compose.yml deploys);
 3. *fan-out*: ``--clients`` WebSocket clients (default 50) open ``ws/runs/<id>/``
    with the session cookie and subscribe; one producer posts metric batches to
    the ingest API at ``--rate`` points/s (default 2,000; ``--batch`` points per
@@ -14,6 +15,13 @@ What it does:
    send time of the batch (delivery latency: ingest + commit + Redis + consumer
    + socket), and checks it received every seq exactly once, in order.
    Dropped = entries appended during the phase that a client never received.
+   The first ``--warmup`` second of batches (cold code paths in the server) is
+   delivered and checked like the rest but left out of the latency figures.
+   Clients read seq, type and send time from the head of each message instead
+   of parsing all of it (``--full-parse`` parses it all): on this 2-core machine
+   50 parsing clients would take over half a core from the server measured.
+   The server's CPU per entry (ingest of one batch and its fan-out) is reported
+   too: a figure that depends less on what else the machine runs.
 4. *chart data*: a second run gets 100,000 steps x 30 metrics (inserted in SQL),
    then the server time of ``jobs.series.series`` (in-process: query + downsampling
    to 1,000 points) is measured for the 6 keys of one chart group and for all 30,
@@ -34,13 +42,14 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import secrets
 import signal
 import statistics
 import sys
 import time
 
-from harness import free_port, setup_django, start_server, stop_server
+from harness import free_port, loadavg, setup_django, start_server, stop_server, tree_cpu_s
 
 SPEC = "name: bench-fanout\nresources:\n  device: cpu\n  trainer_devices: 1\n"
 CHART_KEYS = 30
@@ -120,7 +129,31 @@ def pct(values: list[float], p: float) -> float:
 # --- fan-out ----------------------------------------------------------------------------------------------
 
 
-async def ws_client(port: int, run_id: int, cookie: str, ready: asyncio.Event, stop: asyncio.Event, out: dict):
+# What a client needs of a live entry is at its head: jobs.stream encodes ``{"seq": n, "type": t, "data": ...}``
+# and the producer puts ``bench/sent`` first in each point's values.
+_HEAD = re.compile(r'\{"seq": (\d+), "type": "(\w+)"')
+_SENT = re.compile(r'"bench/sent": ([-+0-9.eE]+)')
+
+
+def read_entry(raw: str, full_parse: bool) -> tuple[int, str, float | None]:
+    """(seq, type, send time of the batch or None) of one live message.
+
+    Without ``full_parse`` only the head of the text is read: 50 clients parsing 24 KB of JSON each,
+    1,000 times a second, would take over half of one of the machine's two cores from the server it
+    measures (a browser parses on its own machine).
+    """
+    head = None if full_parse else _HEAD.match(raw)
+    if head is None:
+        message = json.loads(raw)
+        sent = message["data"]["points"][0]["values"]["bench/sent"] if message["type"] == "metrics" else None
+        return message["seq"], message["type"], sent
+    sent = _SENT.search(raw, head.end(), head.end() + 300) if head.group(2) == "metrics" else None
+    return int(head.group(1)), head.group(2), float(sent.group(1)) if sent else None
+
+
+async def ws_client(
+    port: int, run_id: int, cookie: str, ready: asyncio.Event, stop: asyncio.Event, out: dict, full_parse: bool
+):
     import websockets
 
     headers = {"Cookie": cookie, "Origin": f"http://127.0.0.1:{port}"}
@@ -140,10 +173,11 @@ async def ws_client(port: int, run_id: int, cookie: str, ready: asyncio.Event, s
             except TimeoutError:
                 continue
             now = time.time()
-            message = json.loads(raw)
-            out["seqs"].append(message["seq"])
-            if message["type"] == "metrics":
-                out["latencies"].append(now - message["data"]["points"][0]["values"]["bench/sent"])
+            seq, _type, sent = read_entry(raw, full_parse)
+            out["seqs"].append(seq)
+            if sent is not None:
+                out["latencies"].append((sent, now - sent))
+                out["by_seq"][seq] = (sent, max(out["by_seq"].get(seq, (0, 0.0))[1], now - sent))
 
 
 def producer(port: int, run_id: int, token: str, rate: int, batch: int, seconds: float, first_step: int) -> dict:
@@ -193,7 +227,17 @@ def producer(port: int, run_id: int, token: str, rate: int, batch: int, seconds:
     }
 
 
-async def fanout(port: int, seeded: dict, clients: int, rate: int, batch: int, seconds: float) -> dict:
+async def fanout(
+    port: int,
+    seeded: dict,
+    clients: int,
+    rate: int,
+    batch: int,
+    seconds: float,
+    full_parse: bool = False,
+    server_pid: int | None = None,
+    warmup_s: float = 1.0,
+) -> dict:
     from asgiref.sync import sync_to_async
 
     from jobs.models import RunStreamEntry
@@ -205,29 +249,39 @@ async def fanout(port: int, seeded: dict, clients: int, rate: int, batch: int, s
 
     start_seq = await sync_to_async(last_seq)()
     stop = asyncio.Event()
-    states = [{"after": start_seq, "seqs": [], "latencies": []} for _ in range(clients)]
+    states = [{"after": start_seq, "seqs": [], "latencies": [], "by_seq": {}} for _ in range(clients)]
     readies = [asyncio.Event() for _ in range(clients)]
     tasks = [
-        asyncio.create_task(ws_client(port, run.pk, seeded["cookie"], readies[i], stop, states[i]))
+        asyncio.create_task(ws_client(port, run.pk, seeded["cookie"], readies[i], stop, states[i], full_parse))
         for i in range(clients)
     ]
     await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), timeout=60)
+    cpu_before = tree_cpu_s(server_pid) if server_pid else None
     # The producer gets a process of its own: in this one it would compete for the GIL with the clients.
     with multiprocessing.get_context("spawn").Pool(1) as pool:
+        measure_from = time.time() + warmup_s
         produced = await asyncio.to_thread(
-            pool.apply, producer, (port, run.pk, seeded["token"], rate, batch, seconds, 0)
+            pool.apply, producer, (port, run.pk, seeded["token"], rate, batch, warmup_s + seconds, 0)
         )
     end_seq = await sync_to_async(last_seq)()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any((s["seqs"][-1] if s["seqs"] else start_seq) < end_seq for s in states):
         await asyncio.sleep(0.1)
+    cpu_after = tree_cpu_s(server_pid) if server_pid else None
     stop.set()
     await asyncio.gather(*tasks)
     expected = list(range(start_seq + 1, end_seq + 1))
     dropped = sum(len(set(expected) - set(s["seqs"])) for s in states)
     duplicated = sum(len(s["seqs"]) - len(set(s["seqs"])) for s in states)
     out_of_order = sum(s["seqs"] != sorted(s["seqs"]) for s in states)
-    latencies = [x for s in states for x in s["latencies"]]
+    # The first batches meet cold code paths in the server (first ingest of the process, pool connections):
+    # they are delivered and checked for gaps like the rest, but their latency is not a steady-state figure.
+    latencies = [latency for s in states for sent, latency in s["latencies"] if sent >= measure_from]
+    slowest: dict[int, float] = {}
+    for state in states:
+        for seq, (sent, latency) in state["by_seq"].items():
+            if sent >= measure_from:
+                slowest[seq] = max(slowest.get(seq, 0.0), latency)
     return {
         "clients": clients,
         "points_per_s": round(produced["points_per_s"], 1),
@@ -238,9 +292,17 @@ async def fanout(port: int, seeded: dict, clients: int, rate: int, batch: int, s
         "p50_ms": round(pct(latencies, 0.50) * 1000, 1),
         "p99_ms": round(pct(latencies, 0.99) * 1000, 1),
         "max_ms": round(max(latencies) * 1000, 1) if latencies else None,
+        # One slow entry is 50 late messages (one per client): which entries were slowest, and how slow.
+        "slowest_entries": [
+            [seq - start_seq, round(ms * 1000, 1)] for seq, ms in sorted(slowest.items(), key=lambda kv: -kv[1])[:3]
+        ],
         "dropped": dropped,
         "duplicated": duplicated,
         "clients_out_of_order": out_of_order,
+        # uvicorn's processes only (not PostgreSQL, Redis or the clients): ingest plus fan-out of one batch.
+        "server_cpu_ms_per_entry": round((cpu_after - cpu_before) * 1000 / len(expected), 1)
+        if cpu_before is not None and cpu_after is not None and expected
+        else None,
     }
 
 
@@ -318,8 +380,20 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50, help="WebSocket clients")
     parser.add_argument("--rate", type=int, default=2000, help="points per second posted")
     parser.add_argument("--batch", type=int, default=100, help="points per ingest POST (one stream entry)")
+    parser.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of batches before latency is measured (default 1)"
+    )
     parser.add_argument("--seconds", type=float, default=None, help="fan-out duration (default 30; --quick 5)")
     parser.add_argument("--no-chart", action="store_true", help="skip the chart-data phase")
+    parser.add_argument(
+        "--full-parse", action="store_true", help="clients json-parse every message (default: read its head only)"
+    )
+    parser.add_argument(
+        "--no-ws-deflate",
+        action="store_true",
+        help="uvicorn --ws-per-message-deflate false (default: on, as deployed; the clients offer it)",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="uvicorn worker processes (default 2, as deployed)")
     args = parser.parse_args()
     seconds = args.seconds or (5.0 if args.quick else 30.0)
     repeats = 1 if args.quick else 10
@@ -329,17 +403,35 @@ def main() -> None:
     setup_django(redis_reason="the fan-out goes through the Redis channel layer")
     tag = f"{int(time.time())}-{secrets.token_hex(3)}"
     seeded = seed(tag)
+    load_start = loadavg()
     port = free_port()
-    server = start_server(port, 1, None, "--timeout-graceful-shutdown", "5")
+    deflate = ["--ws-per-message-deflate", "false"] if args.no_ws_deflate else []
+    server = start_server(port, args.workers, None, "--timeout-graceful-shutdown", "5", *deflate)
     try:
         wait_ready(port)
-        fan = asyncio.run(fanout(port, seeded, args.clients, args.rate, args.batch, seconds))
+        fan = asyncio.run(
+            fanout(port, seeded, args.clients, args.rate, args.batch, seconds, args.full_parse, server.pid, args.warmup)
+        )
         chart = None if args.no_chart else chart_data(port, seeded, repeats, all_keys=not args.quick)
     finally:
         stop_server(server)
         cleanup(seeded)
 
+    setup = {
+        "quick": args.quick,
+        "seconds": seconds,
+        "warmup_s": args.warmup,
+        "workers": args.workers,
+        "ws_per_message_deflate": not args.no_ws_deflate,
+        "clients_full_parse": args.full_parse,
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+    }
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}")
+    print(
+        f"uvicorn workers: {args.workers}; load average {load_start} at start, {setup['loadavg_end']} at end "
+        "(1/5/15 min; the machine is shared)"
+    )
     print(
         f"fan-out: {fan['clients']} clients, {fan['points_per_s']:.0f} points/s in {args.batch}-point batches, "
         f"{seconds:g} s: {fan['entries']} entries, {fan['messages_delivered']} messages delivered"
@@ -351,8 +443,10 @@ def main() -> None:
         f"  dropped {fan['dropped']} (target 0), duplicated {fan['duplicated']}, "
         f"clients out of order {fan['clients_out_of_order']}, failed POSTs {fan['post_failures']}"
     )
+    print(f"  slowest entries [index in the phase, ms]: {fan['slowest_entries']}")
+    print(f"  server CPU per entry (ingest of one batch + its fan-out): {fan['server_cpu_ms_per_entry']} ms")
     if chart is None:
-        print(json.dumps({"quick": args.quick, "seconds": seconds, "fanout": fan, "chart": None}))
+        print(json.dumps({**setup, "fanout": fan, "chart": None}))
         return
     print(
         f"chart data, {chart['steps']:,} steps x {chart['metrics']} metrics -> {chart['points_per_series']} points/series:"
@@ -362,7 +456,7 @@ def main() -> None:
         f"(max {chart['server_6_keys_ms_max']}), 30 keys median {chart['server_30_keys_ms_median']} ms (target <= 300)"
     )
     print(f"  HTTP round trip through uvicorn, 6 keys: median {chart['http_6_keys_ms_median']} ms")
-    print(json.dumps({"quick": args.quick, "seconds": seconds, "fanout": fan, "chart": chart}))
+    print(json.dumps({**setup, "fanout": fan, "chart": chart}))
 
 
 if __name__ == "__main__":

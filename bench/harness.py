@@ -34,15 +34,54 @@ def setup_django(redis_reason: str | None = None) -> None:
     call_command("migrate", verbosity=0)
 
 
+def tree_cpu_s(root_pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by a process and its descendants (Linux /proc), or None."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent_of: dict[int, int] = {}
+    cpu_of: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parent_of[int(entry.name)] = int(fields[1])
+        cpu_of[int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    if root_pid not in cpu_of:
+        return None
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parent_of.items() if parent == pid]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(cpu_of[pid] for pid in tree)
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages: the machine is shared, so figures come with its load."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def start_server(port: int, workers: int = 1, env: dict[str, str] | None = None, *extra: str) -> subprocess.Popen:
-    """uvicorn on ``rlplatform.asgi:application``, quiet, as a subprocess of this benchmark."""
-    cmd = [sys.executable, "-m", "uvicorn", "rlplatform.asgi:application", "--host", "127.0.0.1"]
+APPLICATION = "rlplatform.asgi:application"  # what docker-compose.yml serves
+
+
+def start_server(
+    port: int, workers: int = 1, env: dict[str, str] | None = None, *extra: str, app: str = APPLICATION
+) -> subprocess.Popen:
+    """uvicorn on ``app`` (default ``rlplatform.asgi:application``), quiet, as a subprocess of this benchmark.
+    Pass ``"--factory"`` in ``extra`` when ``app`` names a function that returns the application."""
+    cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
 
@@ -54,3 +93,12 @@ def stop_server(server: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+
+
+def application_with_status_fast_path():
+    """``uvicorn --factory bench.harness:application_with_status_fast_path``: rlplatform.asgi's application
+    behind jobs.api.views.RunStatusFastPath, as rlplatform/asgi.py would mount it (api_load.py --fast-path)."""
+    import rlplatform.asgi  # sets Django up: it must come before the jobs import
+    from jobs.api.views import RunStatusFastPath
+
+    return RunStatusFastPath(rlplatform.asgi.application)

@@ -7,15 +7,25 @@ not see (another team's looks like a missing one).
 Run protocol (docs/live-ui-backend.md): the client sends
 ``{"type": "subscribe", "after": n}``; the server sends every entry with
 seq > n in order, then ``{"type": "live", "seq": m}``, then live entries. The
-consumer joins the group before reading the backlog, and handles one message
-at a time, so live entries that arrive meanwhile wait in its channel; each one
-is dropped when seq <= the last sent, and when it skips ahead the missing
+consumer is registered for live entries before reading the backlog, and
+handles one thing at a time (the backlog read and each live message take
+turns), so live entries that arrive meanwhile wait in its queue; each one is
+dropped when seq <= the last sent, and when it skips ahead the missing
 entries are read from the table first — so no gap and no duplicate, even
-when sends race or a full channel drops some.
+when sends race or a full channel or queue drops some.
+
+Fan-out: one relay per process and run is the channel group's member and hands
+each live message to the run's consumers in this process. A member per
+consumer made the channel layer store, send and decode every message once per
+viewer (50 times for 50 open tabs); through the relay it is once per process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import weakref
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -26,10 +36,18 @@ from jobs.models import Run, RunStreamEntry
 from jobs.states import TERMINAL_STATES
 from rlplatform import permissions as perms
 
+log = logging.getLogger(__name__)
+
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_NOT_FOUND = 4404
 CLOSE_BAD_MESSAGE = 4400
 BACKLOG_CHUNK = 500
+# Live messages a consumer may have waiting (a client that reads slowly); beyond this they are dropped and
+# later repaired from the table, as channels_redis does past a channel's capacity (also 100).
+LIVE_QUEUE_CAPACITY = 100
+# channels_redis forgets a group member after a day (group_expiry); a relay can outlive any one viewer, so it
+# renews its membership this often.
+RELAY_RENEW_S = 3600.0
 
 
 def _user(scope):
@@ -54,6 +72,87 @@ def _entries(run_id: int, after: int, upto: int | None = None) -> list[dict[str,
     return [{"seq": seq, "type": type_, "data": data} for seq, type_, data in rows]
 
 
+class _Relay:
+    """This process's member of the channel group ``run.<id>``: passes each live message to the run's consumers."""
+
+    def __init__(self, layer, run_id: int):
+        self.layer, self.run_id = layer, run_id
+        self.consumers: set[RunConsumer] = set()
+        self.channel: str | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.channel = await self.layer.new_channel()
+        await self.layer.group_add(stream.run_group(self.run_id), self.channel)
+        self.tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._renew())]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.channel is not None:
+            await self.layer.group_discard(stream.run_group(self.run_id), self.channel)
+
+    async def _pump(self) -> None:
+        while True:
+            try:
+                message = await self.layer.receive(self.channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a channel-layer outage: what is lost meanwhile, consumers repair from the table
+                log.warning("relay of run %s could not receive", self.run_id, exc_info=True)
+                await asyncio.sleep(1.0)
+                continue
+            if message.get("type") == "stream.entries":
+                for consumer in list(self.consumers):
+                    consumer.relay(message)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(RELAY_RENEW_S)
+            try:
+                await self.layer.group_add(stream.run_group(self.run_id), self.channel)
+            except Exception:  # tried again in an hour; meanwhile the membership (a day) still holds
+                log.warning("relay of run %s could not renew its group membership", self.run_id, exc_info=True)
+
+
+# Relays by event loop (one per process under uvicorn; tests run several loops), then by run.
+_relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[asyncio.Lock, dict[int, _Relay]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _loop_relays() -> tuple[asyncio.Lock, dict[int, _Relay]]:
+    loop = asyncio.get_running_loop()
+    if loop not in _relays:
+        _relays[loop] = (asyncio.Lock(), {})
+    return _relays[loop]
+
+
+async def _join_relay(layer, run_id: int, consumer: RunConsumer) -> None:
+    lock, relays = _loop_relays()
+    async with lock:  # one relay per run even when many consumers connect at once
+        relay = relays.get(run_id)
+        if relay is None:
+            relay = _Relay(layer, run_id)
+            await relay.start()
+            relays[run_id] = relay
+        relay.consumers.add(consumer)
+
+
+async def _leave_relay(run_id: int, consumer: RunConsumer) -> None:
+    lock, relays = _loop_relays()
+    async with lock:
+        relay = relays.get(run_id)
+        if relay is None:
+            return
+        relay.consumers.discard(consumer)
+        if not relay.consumers:
+            del relays[run_id]
+            await relay.stop()
+
+
 class RunConsumer(AsyncJsonWebsocketConsumer):
     """One run's stream: backlog after a sequence number, then live entries."""
 
@@ -69,11 +168,34 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
             return
         self.run_id = run.pk
         self.last_sent: int | None = None  # None until subscribed: live entries before that are ignored
-        await self.channel_layer.group_add(stream.run_group(self.run_id), self.channel_name)
+        # The backlog read and each live message take turns, so entries go out in order.
+        self._turn = asyncio.Lock()
+        self._live: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=LIVE_QUEUE_CAPACITY)
+        self._sender = asyncio.create_task(self._send_live())
+        await _join_relay(self.channel_layer, self.run_id, self)
 
     async def disconnect(self, code):
         if getattr(self, "run_id", None) is not None:
-            await self.channel_layer.group_discard(stream.run_group(self.run_id), self.channel_name)
+            await _leave_relay(self.run_id, self)
+            self._sender.cancel()
+
+    def relay(self, message: dict[str, Any]) -> None:
+        """A live message from this process's relay of the run (never blocks the relay)."""
+        with contextlib.suppress(asyncio.QueueFull):  # dropped: the next message's gap check repairs it
+            self._live.put_nowait(message)
+
+    async def _send_live(self) -> None:
+        while True:
+            message = await self._live.get()
+            try:
+                async with self._turn:
+                    await self.stream_entries(message)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("live send to a viewer of run %s failed; closing its socket", self.run_id)
+                await self.close(code=1011)
+                return
 
     async def receive_json(self, content, **kwargs):
         if getattr(self, "run_id", None) is None:
@@ -90,9 +212,10 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
                 {"type": "error", "field": "after", "message": 'send {"type": "subscribe", "after": n}'}
             )
             return
-        self.last_sent = after
-        await self._send_from_table(upto=None)
-        await self.send_json({"type": "live", "seq": self.last_sent})
+        async with self._turn:
+            self.last_sent = after
+            await self._send_from_table(upto=None)
+            await self.send_json({"type": "live", "seq": self.last_sent})
 
     async def _send_from_table(self, upto: int | None) -> None:
         """Send the stored entries after ``last_sent`` (up to ``upto``), in chunks."""

@@ -1,4 +1,4 @@
-"""Chart data of a run: metric series read in one query and downsampled on the server.
+"""Chart data of a run: metric series read from PostgreSQL as packed floats and downsampled on the server.
 
 Downsampling keeps what a chart must not lose: the points are cut into
 ``(max_points - 1) // 2`` buckets of consecutive points, each bucket keeps its
@@ -13,6 +13,7 @@ each point carries ``rewound: true`` so the chart can draw them apart.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -33,70 +34,96 @@ def downsample(y: np.ndarray, max_points: int) -> np.ndarray:
     """Indices (ascending) of the points of ``y`` to keep: min and max of each bucket, plus the last point.
 
     ``y``: 1-D float array in x order without NaN. Returns all indices when ``len(y) <= max_points``.
+    Within a bucket the first of equal minima and the last of equal maxima are kept. Linear time (no
+    sort): per-bucket extremes by ``reduceat``, then the position of each.
     """
     n = len(y)
     if n <= max_points:
         return np.arange(n)
     buckets = max((max_points - 1) // 2, 1)
     body = n - 1  # the last point is kept on its own
-    edges = np.linspace(0, body, buckets + 1).astype(np.int64)
-    bucket_of = np.searchsorted(edges, np.arange(body), side="right") - 1
-    # Sorted by (bucket, value): the first of each bucket is its minimum, the last its maximum.
-    order = np.lexsort((y[:body], bucket_of))
-    starts = edges[:-1]
-    ends = edges[1:]
-    nonempty = ends > starts
-    mins = order[starts[nonempty]]
-    maxs = order[ends[nonempty] - 1]
-    keep = np.union1d(np.union1d(mins, maxs), [n - 1])
-    return keep
+    edges = np.unique(np.linspace(0, body, buckets + 1).astype(np.int64))
+    starts, ends = edges[:-1], edges[1:]  # contiguous, non-empty buckets covering 0..body-1
+    head = y[:body]
+    bucket_of = np.repeat(np.arange(len(starts)), ends - starts)
+    at_min = np.flatnonzero(head == np.minimum.reduceat(head, starts)[bucket_of])
+    at_max = np.flatnonzero(head == np.maximum.reduceat(head, starts)[bucket_of])
+    mins = at_min[np.searchsorted(at_min, starts)]  # first minimum at or after each bucket's start
+    maxs = at_max[np.searchsorted(at_max, ends) - 1]  # last maximum before each bucket's end
+    return np.union1d(np.union1d(mins, maxs), [n - 1])
+
+
+# Runs with at least this many steps are read in two halves by step over two database connections at
+# once: extracting the keys from the JSON rows is PostgreSQL CPU, and two backends use both cores.
+PARALLEL_MIN_STEPS = 20_000
+# One read returns its rows as a single bytea value; bigger reads are split by step (bytea stops at 1 GB).
+MAX_READ_BYTES = 64 * 2**20
+_readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="series-reader")
 
 
 def _table_postgres(run_id: int, keys: list[str], include_rewound: bool, x: str) -> np.ndarray:
-    """Rows ``[step, time, rewound, value per key]`` as a float64 array, read with one binary COPY.
+    """Rows ``[step, time, rewound, value per key]`` as a float64 array, sorted by (step, attempt, id).
 
-    Only the asked keys leave the database (a 30-metric JSON row is never parsed in Python), and
-    every column is a float8 with NULL as NaN, so each row has the same size and numpy parses the
-    whole COPY buffer at once instead of building a Python tuple per row.
+    Only the asked keys leave the database (a 30-metric JSON row is never parsed in Python). A long run
+    is read in step ranges on two connections at once — but not inside a transaction, whose
+    uncommitted rows another connection could not see.
     """
-    columns = "".join(", COALESCE((metrics->>%s)::float8, 'NaN')" for _ in keys)
-    when = "extract(epoch from time)::float8" if x == "time" else "0::float8"
-    rewound = "rewound::int::float8" if include_rewound else "0::float8"
-    where = "" if include_rewound else "AND NOT rewound"
-    # COPY takes no bind parameters: quote the keys through the driver first.
     with connection.cursor() as cursor:
-        # No ORDER BY: sorting 100k wide rows in the database spills to disk; numpy sorts the narrow result.
-        select = cursor.mogrify(
-            f"SELECT step::float8, {when}, {rewound}, attempt::float8, id::float8{columns} "
-            f"FROM jobs_metricpoint WHERE run_id = %s {where}",
-            [*keys, run_id],
-        )
-        data = bytearray()
-        with cursor.cursor.copy(f"COPY ({select}) TO STDOUT (FORMAT BINARY)") as copy:
-            for block in copy:
-                data += block
-    table = _parse_binary_copy(bytes(data), 5 + len(keys))
+        cursor.execute("SELECT min(step), max(step) FROM jobs_metricpoint WHERE run_id = %s", [run_id])
+        low, high = cursor.fetchone()
+    if low is None:
+        return np.empty((0, 3 + len(keys)))
+    steps = high - low + 1
+    columns = 5 + len(keys)
+    parts = max(1 if steps < PARALLEL_MIN_STEPS else 2, -(-steps * columns * 8 // MAX_READ_BYTES))
+    edges = [low + steps * i // parts for i in range(parts + 1)]
+    ranges = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+    args = (run_id, keys, include_rewound, x)
+    if len(ranges) == 1 or connection.in_atomic_block:
+        tables = [_read_rows(*args, a, b) for a, b in ranges]
+    else:
+        tables = list(_readers.map(lambda r: _in_own_connection(*args, *r), ranges))
+    table = np.concatenate(tables)
     table = table[np.lexsort((table[:, 4], table[:, 3], table[:, 0]))]  # by step, attempt, id
     return np.delete(table, [3, 4], axis=1)
 
 
-# PostgreSQL binary COPY: 11-byte signature, int32 flags, int32 header-extension length; per row an
-# int16 field count then (int32 length, bytes) per field; an int16 -1 trailer. Big-endian throughout.
-_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
+def _in_own_connection(*args) -> np.ndarray:
+    try:
+        return _read_rows(*args)
+    finally:
+        connection.close()  # this thread's connection: back to the pool (or closed) between calls
 
 
-def _parse_binary_copy(data: bytes, fields: int) -> np.ndarray:
-    if not data.startswith(_COPY_SIGNATURE):
-        raise ValueError("not a PostgreSQL binary COPY stream")
-    extension = int.from_bytes(data[15:19], "big")
-    body = data[19 + extension : -2]  # drop the header and the -1 trailer
-    row = np.dtype([("count", ">i2")] + [(f"f{i}", [("len", ">i4"), ("v", ">f8")]) for i in range(fields)])
-    if len(body) % row.itemsize:
-        raise ValueError("unexpected row size in binary COPY (a NULL column?)")
-    records = np.frombuffer(body, dtype=row)
-    table = np.empty((len(records), fields), dtype=np.float64)
-    for i in range(fields):
-        table[:, i] = records[f"f{i}"]["v"]
+def _read_rows(run_id: int, keys: list[str], include_rewound: bool, x: str, low: int, high: int) -> np.ndarray:
+    """Rows ``[step, time, rewound, attempt, id, value per key]`` with ``low <= step < high``, unsorted.
+
+    PostgreSQL packs each row into 8-byte floats (NULL as NaN) and all rows into one bytea that numpy
+    reads as it is: receiving a COPY message or a result tuple per row cost more Python time than the
+    query took in the database.
+    """
+    value = "COALESCE((metrics->>%s)::float8, 'NaN')"
+    columns = [
+        "step::float8",
+        "extract(epoch from time)::float8" if x == "time" else None,
+        "rewound::int::float8" if include_rewound else None,
+        "attempt::float8",
+        "id::float8",
+        *[value] * len(keys),
+    ]
+    packed = " || ".join(f"float8send({c})" for c in columns if c is not None)
+    where = "" if include_rewound else " AND NOT rewound"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT string_agg({packed}, ''::bytea) FROM jobs_metricpoint "
+            f"WHERE run_id = %s AND step >= %s AND step < %s{where}",
+            [*keys, run_id, low, high],
+        )
+        data = cursor.fetchone()[0]
+    present = [i for i, c in enumerate(columns) if c is not None]
+    rows = np.frombuffer(data or b"", dtype=">f8").reshape(-1, len(present))
+    table = np.zeros((len(rows), len(columns)))  # the columns not asked for stay 0
+    table[:, present] = rows
     return table
 
 

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import copy
+import datetime
+import json
+from functools import cache
+from typing import Any
 
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from jobs.models import Experiment, Run
-from jobs.states import RunState
-from rlplatform.models import Quota
+from jobs.models import Allocation, Experiment, Run
+from jobs.states import ACTIVE_STATES, TERMINAL_STATES, RunState
+from rlplatform.models import Device, Host, Quota
 
 
 class StrictSerializer(serializers.Serializer):
@@ -136,6 +143,105 @@ class RunDetailSerializer(RunSerializer):
             return []  # only ADMITTED..PAUSED runs hold devices: skip the query
         held = run.allocations.active().order_by("device__host__name", "device__index")
         return [f"{host}:{index}" for host, index in held.values_list("device__host__name", "device__index")]
+
+
+# --- the run-status read (GET /api/runs/{id}/, what CI polls) --------------------------------------------
+#
+# RunDetailSerializer's reply built from one hand-written query instead of the ORM and DRF fields: on
+# the 2-core dev machine compiling the ORM queries and running DRF's per-field machinery cost more CPU
+# than the database itself. The shape is RunDetailSerializer's exactly (same keys, order and formats);
+# tests/api/test_api_runs.py compares the two for runs in every kind of state.
+
+_DATETIME = serializers.DateTimeField()
+_STATUS_DATETIMES = ("submitted_at", "admitted_at", "started_at", "finished_at")
+_ACTIVE = frozenset(s.value for s in ACTIVE_STATES)
+_TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
+# Run columns read by the status query, in the order the reply needs them.
+_STATUS_RUN_COLUMNS = (
+    "id",
+    "name",
+    "experiment_id",
+    "state",
+    "reason",
+    "queue_position",
+    "priority",
+    "submission_id",
+    "devices_requested",
+    "rollout_workers",
+    *_STATUS_DATETIMES,
+    "parent_checkpoint",
+    "spec",
+    "resolved_spec",
+)
+
+
+@cache
+def _status_sql(teams: int) -> str:
+    """The run with its experiment's name and team, its creator's username and the devices it holds (one
+    row per device, the run's columns repeated; one row without a device), limited to ``teams`` team ids."""
+    q = connection.ops.quote_name
+    user = get_user_model()._meta
+    run, exp = q(Run._meta.db_table), q(Experiment._meta.db_table)
+    alloc, dev, host = q(Allocation._meta.db_table), q(Device._meta.db_table), q(Host._meta.db_table)
+    username = user.get_field(get_user_model().USERNAME_FIELD).column
+    columns = ", ".join(f"r.{q(c)}" for c in _STATUS_RUN_COLUMNS)
+    return (
+        f"SELECT {columns}, e.{q('name')}, e.{q('team_id')}, u.{q(username)}, h.{q('name')}, d.{q('index')} "
+        f"FROM {run} r JOIN {exp} e ON e.{q('id')} = r.{q('experiment_id')} "
+        f"LEFT JOIN {q(user.db_table)} u ON u.{q(user.pk.column)} = r.{q('created_by_id')} "
+        f"LEFT JOIN {alloc} a ON a.{q('run_id')} = r.{q('id')} AND a.{q('released_at')} IS NULL "
+        f"LEFT JOIN {dev} d ON d.{q('id')} = a.{q('device_id')} "
+        f"LEFT JOIN {host} h ON h.{q('id')} = d.{q('host_id')} "
+        f"WHERE r.{q('id')} = %s AND e.{q('team_id')} IN ({', '.join(['%s'] * teams)}) "
+        f"ORDER BY h.{q('name')}, d.{q('index')}"
+    )
+
+
+def _datetime(value) -> str | None:
+    if value is None:
+        return None
+    if timezone.is_naive(value):  # SQLite hands back naive UTC; the ORM would make it aware
+        value = timezone.make_aware(value, datetime.UTC)
+    return _DATETIME.to_representation(value)
+
+
+def run_status_reply(run_id: int, team_ids: list[int]) -> dict[str, Any] | None:
+    """``RunDetailSerializer(run).data`` for the run ``run_id`` if it belongs to one of ``team_ids``, else None."""
+    if not team_ids:
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(_status_sql(len(team_ids)), [run_id, *team_ids])
+        rows = cursor.fetchall()
+    if not rows:
+        return None
+    n = len(_STATUS_RUN_COLUMNS)
+    run = dict(zip(_STATUS_RUN_COLUMNS, rows[0][:n], strict=True))
+    experiment_name, team_id, username = rows[0][n : n + 3]
+    state = run["state"]
+    # Only ADMITTED..PAUSED runs hold devices, as RunDetailSerializer.get_devices says.
+    devices = [f"{host}:{index}" for *_, host, index in rows if host is not None] if state in _ACTIVE else []
+    spec = run["resolved_spec"]
+    return {
+        "id": run["id"],
+        "name": run["name"],
+        "experiment": run["experiment_id"],
+        "experiment_name": experiment_name,
+        "team": team_id,
+        "state": state,
+        "reason": run["reason"],
+        "queue_position": run["queue_position"] if state == RunState.QUEUED.value else None,
+        "terminal": state in _TERMINAL,
+        "priority": run["priority"],
+        "submission_id": run["submission_id"],
+        "devices_requested": run["devices_requested"],
+        "rollout_workers": run["rollout_workers"],
+        "created_by": username,
+        **{name: _datetime(run[name]) for name in _STATUS_DATETIMES},
+        "parent_checkpoint": run["parent_checkpoint"],
+        "devices": devices,
+        "spec": run["spec"],
+        "resolved_spec": json.loads(spec) if isinstance(spec, str | bytes) else spec,
+    }
 
 
 @extend_schema_field({"oneOf": [{"type": "string"}, {"type": "object", "additionalProperties": True}]})

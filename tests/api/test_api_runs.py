@@ -338,3 +338,278 @@ def test_wait_without_the_trailing_slash_redirects_keeping_the_timeout(as_user, 
     run = submit(experiment)
     response = as_user(owner, team_a).get(f"/api/runs/{run.pk}/wait?timeout=0")
     assert (response.status_code, response["Location"]) == (301, f"/api/runs/{run.pk}/wait/?timeout=0")
+
+
+# --- the lean run-status read ------------------------------------------------------------------------
+
+
+def _serializer_reply(run):
+    """What RunDetailSerializer renders for ``run``: the reference the status read must equal."""
+    import json
+
+    from rest_framework.renderers import JSONRenderer
+
+    from jobs.api.serializers import RunDetailSerializer
+
+    run = Run.objects.select_related("experiment", "created_by").get(pk=run.pk)
+    return json.loads(JSONRenderer().render(RunDetailSerializer(run).data))
+
+
+def test_run_status_equals_the_detail_serializer_in_every_kind_of_state(
+    as_user, owner, team_a, experiment, submit, django_assert_max_num_queries
+):
+    held = submit(experiment, 2, priority=7)  # admitted: holds two devices
+    for _ in range(3):
+        submit(experiment, 2)
+    queued = submit(experiment, 1, submission_id="ci-queued")
+    ended = submit(experiment, 1)  # queued behind, then cancelled: terminal
+    handler.cancel_run(owner, ended, "done with it")
+    Run.objects.filter(pk=ended.pk).update(created_by=None)  # its creator's account was deleted
+    Run.objects.filter(pk=held.pk).update(parent_checkpoint="/ckpt/step-10")
+    client = as_user(owner, team_a)
+    client.get(f"/api/runs/{held.pk}/")  # first use writes last_used_at (at most once a minute)
+    for run, state in ((held, "ADMITTED"), (queued, "QUEUED"), (ended, "CANCELLED")):
+        with django_assert_max_num_queries(2):
+            response = client.get(f"/api/runs/{run.pk}/")
+        assert response.status_code == 200
+        body = response.json()
+        assert body["state"] == state
+        expected = _serializer_reply(run)
+        assert body == expected
+        assert list(body) == list(expected)  # same key order too
+    assert client.get(f"/api/runs/{held.pk}/").json()["devices"] == ["cpu-local-h1:0", "cpu-local-h1:1"]
+    assert client.get(f"/api/runs/{ended.pk}/").json()["created_by"] is None
+
+
+def test_run_status_by_session_login_is_the_same_reply(api, owner, experiment, submit):
+    run = submit(experiment, 2)
+    api.force_login(owner)
+    response = api.get(f"/api/runs/{run.pk}/")
+    assert response.status_code == 200
+    assert response.json() == _serializer_reply(run)
+
+
+@pytest.mark.parametrize("path", ["{pk}", "{missing}", "abc"])
+def test_run_status_of_another_team_a_missing_or_a_malformed_id_is_404(
+    api, as_user, outsider, team_b, experiment, submit, path
+):
+    run = submit(experiment, 1)
+    before = _serializer_reply(run)
+    url = f"/api/runs/{path.format(pk=run.pk, missing=run.pk + 1000)}/"
+    by_token = as_user(outsider, team_b).get(url)
+    assert (by_token.status_code, by_token.json()) == (404, {"detail": "Not found."})
+    api.force_login(outsider)
+    assert api.get(url).status_code == 404
+    assert _serializer_reply(run) == before  # nothing changed
+
+
+def test_run_status_without_credentials_is_401(api, experiment, submit):
+    run = submit(experiment, 1)
+    assert api.get(f"/api/runs/{run.pk}/").status_code == 401
+
+
+# --- the token check of the hot path agrees with rlplatform.tokens ---------------------------------------
+
+
+def _token_cases(owner, editor, superuser, team_a, mint_token):
+    """(name, raw token) for every kind of token the check must tell apart; applies the changes it names."""
+    import datetime
+
+    from django.utils import timezone
+
+    from rlplatform import tokens
+    from rlplatform.models import APIToken, Membership
+
+    valid = mint_token(owner, team_a, "valid")
+    expired = mint_token(owner, team_a, "expired")
+    APIToken.objects.filter(name="expired").update(expires_at=timezone.now() - datetime.timedelta(seconds=1))
+    revoked = mint_token(owner, team_a, "revoked")
+    tokens.revoke(APIToken.objects.get(name="revoked"))
+    removed = mint_token(editor, team_a, "removed")
+    Membership.objects.filter(user=editor).delete()
+    inactive = mint_token(superuser, team_a, "inactive")  # staff may mint in any team; then deactivated
+    staff = mint_token(superuser, team_a, "staff")
+    return [
+        ("valid", valid),
+        ("wrong secret", valid[:-4] + ("AAAA" if not valid.endswith("AAAA") else "BBBB")),
+        ("unknown prefix", "tdm_00000000_" + valid.split("_", 2)[2]),
+        ("malformed", "tdm_short"),
+        ("not ours", "Basic abc"),
+        ("expired", expired),
+        ("revoked", revoked),
+        ("user left the team", removed),
+        ("superuser outside the team", staff),
+        ("inactive user", inactive),
+    ]
+
+
+def test_hot_path_token_check_agrees_with_rlplatform_tokens(owner, editor, superuser, team_a, mint_token):
+    from django.contrib.auth import get_user_model
+
+    from rlplatform import api_auth, tokens
+    from rlplatform.models import APIToken
+
+    cases = _token_cases(owner, editor, superuser, team_a, mint_token)
+    get_user_model().objects.filter(pk=superuser.pk).update(is_active=True)
+    verdicts = {}
+    for name, raw in cases:
+        if name == "inactive user":
+            get_user_model().objects.filter(pk=superuser.pk).update(is_active=False)
+        lean, reference = api_auth.authenticate_token(raw), tokens.authenticate_token(raw)
+        assert (lean is None) == (reference is None), name
+        verdicts[name] = lean is not None
+        if lean is not None:
+            assert (lean.pk, lean.team_id, lean.user.pk, lean.user.get_username()) == (
+                reference.pk,
+                reference.team_id,
+                reference.user.pk,
+                reference.user.get_username(),
+            )
+    assert verdicts == {
+        "valid": True,
+        "wrong secret": False,
+        "unknown prefix": False,
+        "malformed": False,
+        "not ours": False,
+        "expired": False,
+        "revoked": False,
+        "user left the team": False,
+        "superuser outside the team": True,
+        "inactive user": False,
+    }
+    assert APIToken.objects.get(name="valid").last_used_at is not None  # use is recorded, as by tokens
+
+
+# --- the run-status fast path (jobs.api.views.RunStatusFastPath) ------------------------------------------
+
+
+def _asgi_get(app, path, headers, query=b""):
+    """(status, headers, body) of one GET through the ASGI application ``app``."""
+    import asyncio
+
+    from asgiref.sync import async_to_sync
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+    pending = [{"type": "http.request", "body": b"", "more_body": False}]
+    sent = []
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()  # no disconnect: the request simply stays open
+
+    async def send(message):
+        sent.append(message)
+
+    async_to_sync(app)(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], sorted((k.lower(), v) for k, v in start["headers"]), body
+
+
+class _CountingApp:
+    """The wrapped application, counting what reaches it (what the fast path did not answer)."""
+
+    def __init__(self, app):
+        self.app, self.calls = app, 0
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture
+def asgi_apps(settings):
+    from jobs.api.views import RunStatusFastPath
+    from rlplatform.asgi import django_asgi_app
+
+    settings.ALLOWED_HOSTS = ["ci.example.org"]
+    inner = _CountingApp(django_asgi_app)
+    return RunStatusFastPath(inner), inner, django_asgi_app
+
+
+@pytest.mark.django_db(transaction=True)  # the fast path reads in a thread of its own: data must be committed
+def test_fast_path_answers_exactly_what_django_answers(asgi_apps, owner, team_a, experiment, submit, mint_token):
+    fast, inner, django_app = asgi_apps
+    assert fast.enabled
+    held = submit(experiment, 2)
+    raw = mint_token(owner, team_a)
+    headers = [(b"host", b"ci.example.org"), (b"authorization", f"Bearer {raw}".encode())]
+    for accept in ([], [(b"accept", b"application/json")], [(b"accept", b"*/*")]):
+        reply = _asgi_get(fast, f"/api/runs/{held.pk}/", headers + accept)
+        assert reply == _asgi_get(django_app, f"/api/runs/{held.pk}/", headers + accept)
+    assert inner.calls == 0  # all three answered by the fast path
+    status, _headers, body = reply
+    assert status == 200
+    import json
+
+    assert json.loads(body)["devices"] == ["cpu-local-h1:0", "cpu-local-h1:1"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fast_path_hands_everything_else_to_django(
+    asgi_apps, owner, outsider, team_a, team_b, experiment, submit, mint_token
+):
+    fast, inner, django_app = asgi_apps
+    run = submit(experiment, 1)
+    mine, theirs = mint_token(owner, team_a), mint_token(outsider, team_b)
+    host = (b"host", b"ci.example.org")
+    path = f"/api/runs/{run.pk}/"
+    cases = [
+        ("another team's run", path, [host, (b"authorization", f"Bearer {theirs}".encode())], b"", 404),
+        ("a bad token", path, [host, (b"authorization", f"Bearer {mine}x".encode())], b"", 401),
+        ("no credentials", path, [host], b"", 401),
+        (
+            "a disallowed host",
+            path,
+            [(b"host", b"evil.example"), (b"authorization", f"Bearer {mine}".encode())],
+            b"",
+            400,
+        ),
+        ("a query string", path, [host, (b"authorization", f"Bearer {mine}".encode())], b"format=json", 200),
+        (
+            "HTML wanted",
+            path,
+            [host, (b"authorization", f"Bearer {mine}".encode()), (b"accept", b"text/html")],
+            b"",
+            200,
+        ),
+        (
+            "another path",
+            f"/api/runs/{run.pk}/wait/",
+            [host, (b"authorization", f"Bearer {mine}".encode())],
+            b"timeout=0",
+            200,
+        ),
+    ]
+    for name, url, headers, query, expected in cases:
+        before = inner.calls
+        reply = _asgi_get(fast, url, headers, query)
+        assert reply[0] == expected, name
+        assert inner.calls == before + 1, f"{name}: Django must answer"
+        if name != "HTML wanted":  # the browsable page sets a fresh CSRF cookie each time
+            assert reply == _asgi_get(django_app, url, headers, query), name
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fast_path_is_off_when_a_middleware_it_does_not_mirror_is_installed(asgi_apps, settings):
+    from jobs.api.views import FAST_PATH_MIDDLEWARE, RunStatusFastPath
+
+    settings.MIDDLEWARE = [*FAST_PATH_MIDDLEWARE, "django.middleware.gzip.GZipMiddleware"]
+    assert RunStatusFastPath(asgi_apps[1]).enabled is False
+    settings.MIDDLEWARE = FAST_PATH_MIDDLEWARE
+    settings.SECURE_HSTS_SECONDS = 3600
+    assert RunStatusFastPath(asgi_apps[1]).enabled is False

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs import commands
+from jobs import commands, series
 from jobs.models import MetricPoint
 from jobs.series import downsample
 
@@ -43,6 +43,33 @@ def test_downsampling_properties(values, max_points):
     # the extremes of the whole series survive (a spike is never lost)
     assert y[keep].max() == y.max()
     assert y[keep].min() == y.min()
+
+
+def _reference_downsample(y, max_points):
+    """The rule spelled out with loops: equal buckets of the points before the last; in each, the first
+    minimum and the last maximum; plus the last point."""
+    n = len(y)
+    if n <= max_points:
+        return list(range(n))
+    buckets = max((max_points - 1) // 2, 1)
+    edges = [int(e) for e in np.linspace(0, n - 1, buckets + 1)]
+    keep = {n - 1}
+    for start, end in zip(edges, edges[1:], strict=False):
+        if end > start:
+            part = [float(v) for v in y[start:end]]
+            keep.add(start + part.index(min(part)))
+            keep.add(end - 1 - part[::-1].index(max(part)))
+    return sorted(keep)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.sampled_from([-2.0, -1.0, 0.0, 1.0, 2.5]) | st.floats(-1e3, 1e3), min_size=1, max_size=300),
+    st.integers(3, 40),
+)
+def test_downsampling_keeps_exactly_the_first_minimum_and_last_maximum_of_each_bucket(values, max_points):
+    # Few distinct values, so buckets have ties: which of equal extremes is kept is part of the rule.
+    assert downsample(np.array(values), max_points).tolist() == _reference_downsample(values, max_points)
 
 
 def _points(run, n, attempt=0, keys=("reward/mean",), spike_at=None):
@@ -130,3 +157,44 @@ def test_other_teams_run_is_404(run, outsider, api_as):
 def test_run_without_points_gives_empty_series(run, viewer, api_as):
     body = api_as(viewer).get(f"/api/runs/{run.pk}/metrics/?keys=reward/mean&x=time&include_rewound=1").json()
     assert body == {"x": "time", "series": {"reward/mean": {"x": [], "y": [], "rewound": []}}, "last_step": None}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_long_run_read_in_two_step_ranges_at_once_gives_the_same_series(run, monkeypatch):
+    # Committed rows (transaction=True): the second range is read over another connection. Two attempts
+    # overlap in steps 30..39 and the first attempt's are rewound, so the merge must keep (step, attempt) order.
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("step ranges are how the PostgreSQL reader splits its work; SQLite reads in one query")
+    _points(run, 40, keys=("reward/mean", "loss/policy"), spike_at=17)
+    commands.mark_rewound(run.pk, 29)
+    MetricPoint.objects.bulk_create(
+        MetricPoint(run=run, attempt=1, step=s, time=T0, metrics={"reward/mean": 100.0 + s}) for s in range(30, 61)
+    )
+    keys = ["reward/mean", "loss/policy"]
+    read_rows, ranges_read = series._read_rows, []
+
+    def recording_read_rows(*args):
+        ranges_read.append(args[-2:])
+        return read_rows(*args)
+
+    monkeypatch.setattr(series, "_read_rows", recording_read_rows)
+    results = {}
+    for name, threshold in (("one range", 10**9), ("two ranges", 10)):
+        monkeypatch.setattr(series, "PARALLEL_MIN_STEPS", threshold)
+        ranges_read.clear()
+        results[name] = [
+            series.series(run.pk, keys, max_points=max_points, include_rewound=rewound)
+            for max_points in (7, 1000)
+            for rewound in (False, True)
+        ]
+        assert sorted(ranges_read) == sorted([(0, 61)] * 4 if name == "one range" else [(0, 30), (30, 61)] * 4)
+    assert results["two ranges"] == results["one range"]
+    everything = results["two ranges"][3]["series"]["reward/mean"]
+    assert everything["x"] == sorted([*range(40), *range(30, 61)])
+    rewound_steps = [x for x, r in zip(everything["x"], everything["rewound"], strict=True) if r]
+    assert rewound_steps == list(range(30, 40))
+    assert everything["y"][everything["x"].index(35) + 1] == 135.0  # attempt 1 after the rewound attempt 0
+    live = results["two ranges"][2]["series"]["reward/mean"]
+    assert live["x"] == list(range(61)) and live["y"][17] == 1000.0 and live["y"][-1] == 160.0

@@ -293,3 +293,47 @@ def test_idle_socket_still_receives_after_the_layers_blocking_pop_times_out(run,
 
     seq, message = async_to_sync(scenario)()
     assert message == {"seq": seq, "type": "event", "data": {"kind": "later", "payload": {}}}
+
+
+def test_viewers_in_one_process_share_one_group_member_and_each_gets_every_entry(
+    run, owner, viewer, cookie_for, flush_layer
+):
+    joined, left = [], []
+    group_add, group_discard = flush_layer.group_add, flush_layer.group_discard
+
+    async def counting_add(group, channel):
+        joined.append(group)
+        await group_add(group, channel)
+
+    async def counting_discard(group, channel):
+        left.append(group)
+        await group_discard(group, channel)
+
+    flush_layer.group_add, flush_layer.group_discard = counting_add, counting_discard
+    cookies = [cookie_for(owner), cookie_for(viewer), cookie_for(owner)]
+
+    async def scenario():
+        comms = [communicator(f"/ws/runs/{run.pk}/", cookie) for cookie in cookies]
+        for comm in comms:
+            await comm.connect()
+            await comm.send_json_to({"type": "subscribe", "after": 0})
+            await receive_until_live(comm)
+        seqs = [
+            await sync_to_async(stream.append)(run.pk, "event", {"kind": "k", "payload": {"i": i}}) for i in range(3)
+        ]
+        got = [[(await comm.receive_json_from(timeout=5))["seq"] for _ in seqs] for comm in comms]
+        await comms[0].disconnect()
+        later = await sync_to_async(stream.append)(run.pk, "event", {"kind": "later", "payload": {}})
+        rest = [(await comm.receive_json_from(timeout=5))["seq"] for comm in comms[1:]]
+        for comm in comms[1:]:
+            await comm.disconnect()
+        return seqs, got, later, rest
+
+    try:
+        seqs, got, later, rest = async_to_sync(scenario)()
+    finally:
+        flush_layer.group_add, flush_layer.group_discard = group_add, group_discard
+    assert got == [seqs, seqs, seqs]
+    assert rest == [later, later]
+    assert joined.count(stream.run_group(run.pk)) == 1  # one relay per process and run, not one per viewer
+    assert left.count(stream.run_group(run.pk)) == 1
