@@ -4,20 +4,23 @@
     python -m runtime sft SPEC.yaml [key.sub=value ...] --steps N --out DIR
     python -m runtime eval --checkpoint DIR [--spec SPEC.yaml] [key.sub=value ...]
     python -m runtime validate SPEC.yaml [key.sub=value ...]
-    python -m runtime role ...            (reserved for the platform)
+    python -m runtime role trainer --spec FILE --workdir DIR [--resume auto|never]   (platform-managed runs)
 
 Bad input — an unknown or invalid field, an impossible combination, a
 missing model path or dataset, a device that is not there, a corrupt or
 partial checkpoint — is found before any work starts and reported as one
 line naming the field, with exit status 2. A failure during the run exits 1
-with a one-line reason.
+with a one-line reason. ``role`` also takes its settings from ``TANDEM_*``
+environment variables (runtime.role, docs/runtime-role.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -38,8 +41,9 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from runtime.checkpoint import CheckpointError
     from runtime.devices import DeviceError
     from runtime.models import ModelError
+    from runtime.role import RoleInputError
 
-    return (UsageError, SpecError, AlgorithmError, CheckpointError, DeviceError, ModelError)
+    return (UsageError, SpecError, AlgorithmError, CheckpointError, DeviceError, ModelError, RoleInputError)
 
 
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
@@ -154,7 +158,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
-    raise UsageError("`role` is not available yet: it arrives with the platform integration (run specs with `run`)")
+    from runtime import role
+
+    options = role.parse_args(args.rest)
+    env = role.read_env(os.environ)
+    spec = role.load_role_spec(options.spec, options.workdir)
+    preflight(spec)
+    resume = role.find_resume(options.workdir) if options.resume == "auto" else None
+    summary = role.run_trainer(spec, env, options.workdir, resume)
+    print(json.dumps(summary))  # the last stdout line: what the platform's launcher reads
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,13 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("role", help="(reserved) run one role of a platform-managed run")
+    p = sub.add_parser(
+        "role", add_help=False, help="run one role of a platform-managed run (settings from TANDEM_* variables)"
+    )
+    # Parsed by runtime.role, so that bad arguments are one line naming the argument (exit 2).
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_role)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["role"]:
+        # runtime.role parses the rest itself: argparse's REMAINDER cannot take a leading option
+        # (`role --spec F trainer`), and a bad argument must be one line naming it, not a usage block.
+        return _guarded(lambda: _cmd_role(argparse.Namespace(rest=argv[1:])), _input_errors())
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `run spec --resume DIR a=b`: argparse leaves overrides that follow an option unparsed
@@ -204,8 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         errors: tuple[type[BaseException], ...] = (SpecError, UsageError)
     else:
         errors = _input_errors()
+    return _guarded(lambda: args.func(args), errors)
+
+
+def _guarded(command: Callable[[], int], errors: tuple[type[BaseException], ...]) -> int:
+    """Run ``command``; bad input -> one line, exit 2; a failure mid-run -> one line, exit 1."""
     try:
-        return args.func(args)
+        return command()
     except errors as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT

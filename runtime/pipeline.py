@@ -6,14 +6,19 @@
   generation and training alternate on the same devices, optionally with the
   optimizer state offloaded to host memory while generating.
 * ``async`` — ``resources.rollout_workers`` rollout processes (spawned, each
-  with its own engine and threads) generate continuously into the bounded
-  :class:`~runtime.queue.SampleQueue` while the trainer trains; weights reach
-  them through the shared-memory :class:`~runtime.weights.WeightService`.
-  A sample whose oldest token is more than ``max_policy_lag`` versions behind
-  the trainer when it is consumed is never trained on: ``throttle`` keeps it
-  from being generated (work items carry the oldest version allowed to
-  generate them), ``drop`` discards and counts it, ``sync`` regenerates its
-  prompt with the current weights (lock-step for that prompt).
+  with its own engine, threads, work queue and result pipe) generate
+  continuously into the bounded :class:`~runtime.queue.SampleQueue` while the
+  trainer trains; weights reach them through the shared-memory
+  :class:`~runtime.weights.WeightService`. A sample whose oldest token is more
+  than ``max_policy_lag`` versions behind the trainer when it is consumed is
+  never trained on: ``throttle`` keeps it from being generated (work items
+  carry the oldest version allowed to generate them), ``drop`` discards and
+  counts it, ``sync`` regenerates its prompt with the current weights
+  (lock-step for that prompt). A rollout process that dies is replaced (up to
+  ``resources.rollout_restarts`` times per rank) and its unfinished work is
+  issued again: every message carries a ticket, and a result whose ticket the
+  trainer no longer holds (a dead process's, or from before a rollback) is
+  dropped, so no sample is lost or trained on twice.
 
 The driver only calls roles (``runtime.roles``: prompt source, rollout
 worker; ``runtime.trainer``; ``runtime.evaluator``) and never looks inside a
@@ -23,25 +28,36 @@ cursor, the queue's contents and the prompts in flight, weight version, step
 and the metrics cursor; :func:`run` with ``resume`` continues from it.
 Rollout processes keep no RNG state: a batch's sampling seed is a function of
 the run seed and the batch's issue index.
+
+At every step boundary (after the step's metrics are reported) the
+directives of a :class:`~runtime.control.Control` are applied in order —
+pause, resume, stop, preempt, cancel, rollback, set_params; see
+``docs/runtime-control.md`` for their exact semantics — and the run's status
+is published on it.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import queue as std_queue
+import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import yaml
 
 from runtime import metrics as M
+from runtime.control import LIVE_PARAMS, Control, Directive
 from runtime.evaluator import BackgroundEvaluator, evaluate
 from runtime.queue import QueueClosed, SampleQueue
 from runtime.roles import (
+    EPOCH,
+    STOP,
     ConsistencyProbe,
     PromptSource,
     RolloutWorker,
@@ -57,11 +73,14 @@ from runtime.spec import RunSpec
 from runtime.weights import WeightService
 
 CHECKPOINT_DIR = "checkpoints"
+REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: checkpoints of a timeline a rollback abandoned
 RESOLVED_SPEC = "resolved_spec.yaml"
+OUTCOMES = {"stop": "stopped", "preempt": "preempted", "cancel": "cancelled"}
+PAUSE_POLL_S = 0.5  # while paused: how often rollout processes are supervised between directives
 
 
 class PipelineError(RuntimeError):
-    """The run cannot start or continue (bad resume target, a rollout process died, ...)."""
+    """The run cannot start or continue (bad resume target, a rollout process died too often, ...)."""
 
 
 def thread_plan(spec: RunSpec) -> tuple[int, int]:
@@ -93,19 +112,53 @@ def resolve_resume(path: str | Path) -> Path:
     raise PipelineError(f"--resume: no complete checkpoint in {p}")
 
 
-class _Run:
-    """What every mode shares: models, trainer, data, weights, checkpoints, reporters, evaluation."""
+class _Mode(Protocol):
+    """What the step-boundary logic needs from a mode's driver."""
 
-    def __init__(self, spec: RunSpec, resume: Path | None, reporters: Any = None, stop: Any = None):
+    def evaluate(self, step: int) -> None: ...
+
+    def checkpoint(self, step: int) -> None: ...
+
+    def forget_in_flight(self) -> None:
+        """Rollback, before the state changes: generation issued so far must never be trained on."""
+
+    def restore(self, state: dict[str, Any], offset: int) -> None:
+        """Rollback: the mode's part of ``state`` (sample versions shifted by ``offset``); publish the weights."""
+
+    def params_changed(self) -> None: ...
+
+    def tick(self) -> None:
+        """While paused, between directives (async: supervise the rollout processes)."""
+
+
+class _Run:
+    """What every mode shares: models, trainer, data, weights, checkpoints, reporters, evaluation, control."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        resume: Path | None,
+        reporters: Any = None,
+        stop: Any = None,
+        control: Control | None = None,
+    ):
         from runtime.checkpoint import CheckpointManager, load_checkpoint
         from runtime.devices import manual_seed_all, resolve_device, set_threads
         from runtime.trainer import Trainer
 
+        spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
         self.spec = spec
         self.stop = stop
-        self.final_step = spec.pipeline.steps  # lowered when ``stop`` ends the run early
+        self.control = control
+        self.final_step = spec.pipeline.steps  # lowered when ``stop`` or a stop directive ends the run early
+        self.outcome = "completed"
+        self.paused = False
+        self.ending: str | None = None  # "stopped" | "preempted" | "cancelled" once such a directive is taken
+        self.stop_acks: list[Directive] = []  # stop / preempt, acknowledged once the final checkpoint is written
+        self.status_step = 0
         self.device = resolve_device(spec.resources.device, 0)
-        resume_state = load_checkpoint(resolve_resume(resume)) if resume is not None else None
+        resume_path = resolve_resume(resume) if resume is not None else None
+        resume_state = load_checkpoint(resume_path) if resume_path is not None else None
         self.trainer_threads, self.rollout_threads = thread_plan(spec)
         set_threads(self.trainer_threads)
         manual_seed_all(spec.seed)
@@ -140,10 +193,17 @@ class _Run:
         if reporters is None:
             reporters = M.build_reporters(spec.metrics, self.out_dir, spec.pipeline.steps, jsonl_cursor=jsonl_cursor)
         self.reporters = reporters
-        self.trace: dict[str, list] = {"consumed": [], "dropped": [], "leftover": []}
+        # consumed: group ids per step of the current timeline (a rollback moves rewound steps to "rewound")
+        self.trace: dict[str, list] = {"consumed": [], "dropped": [], "leftover": [], "rewound": []}
+        self.trace_start = self.start_step  # the step before trace["consumed"][0]
+        self.dropped_marks = {self.start_step: 0}  # step -> len(trace["dropped"]) when its checkpoint was saved
         self.evals: list[dict] = []
         self.last_metrics: dict[str, float] = {}
+        self.eval_step = -1  # the last step evaluated (or submitted for evaluation)
+        self.ckpt_step = -1  # the step of the current timeline's newest checkpoint
+        self.ckpt_path: Path | None = None
         if resume_state is not None:
+            self.ckpt_step, self.ckpt_path = self.start_step, resume_path
             self.reporters.event("resume", {"step": self.start_step})
 
     # ---- state -------------------------------------------------------------
@@ -186,11 +246,13 @@ class _Run:
             hf_export=hf_export,
             metrics={k: v for k, v in self.last_metrics.items() if isinstance(v, int | float)},
         )
+        self.ckpt_step, self.ckpt_path = step, path
+        self.dropped_marks[step] = len(self.trace["dropped"])
         self.reporters.event("checkpoint", {"step": step, "path": str(path)})
         return path
 
     def should_stop(self, step: int) -> bool:
-        """Whether ``step`` is the last one (the spec's count, or the caller's stop condition)."""
+        """Whether ``step`` is the last one (the spec's count, a stop directive, or the caller's stop condition)."""
         if step < self.final_step and self.stop is not None and self.stop(step, self.last_metrics):
             self.final_step = step
         return step >= self.final_step
@@ -235,7 +297,233 @@ class _Run:
             "trace": self.trace,
             "output_dir": str(self.out_dir),
             "checkpoint": str(self.ckpt.latest()) if self.ckpt.latest() else None,
+            "outcome": self.outcome,
         }
+
+    # ---- control: the step boundary ------------------------------------------
+    def publish_status(self, step: int | None = None, **extra: Any) -> None:
+        """Status, step (the last one reported, by default), weight version and ``extra`` on the control."""
+        if step is not None:
+            self.status_step = step
+        if self.control is None:
+            return
+        status = "stopping" if self.ending else "paused" if self.paused else "running"
+        self.control.update(status=status, step=self.status_step, weight_version=self.weights.version, **extra)
+
+    def boundary(self, step: int, mode: _Mode) -> int | None:
+        """After ``step``'s metrics are reported: apply the pending directives, evaluate and checkpoint
+        when due, wait while paused. Returns the step to continue from (``step``, or the step of a
+        checkpoint rolled back to), or None when the run ends here."""
+        step = self._apply_directives(step, mode)
+        while True:
+            if self.ending == "cancelled":
+                return None
+            last = self.should_stop(step)
+            if self.eval_due(step) and self.eval_step != step:
+                mode.evaluate(step)
+                self.eval_step = step
+            if self.checkpoint_due(step) and self.ckpt_step != step:
+                mode.checkpoint(step)
+            self._ack_stops(step)
+            if last:
+                return None
+            if not self.paused:
+                return step
+            assert self.control is not None  # only a directive pauses
+            self.publish_status(step)
+            while True:
+                mode.tick()
+                if self.control.wait(PAUSE_POLL_S):
+                    break
+            step = self._apply_directives(step, mode)
+
+    def _apply_directives(self, step: int, mode: _Mode) -> int:
+        if self.control is None:
+            return step
+        for d in self.control.take():
+            try:
+                step = self._apply(d, step, mode)
+            except Exception as exc:  # the run fails because of it: answer it, or a restart would apply it again
+                self.control.finished(d, False, f"failed: {exc}")
+                raise
+        self.publish_status(step)
+        return step
+
+    def _apply(self, d: Directive, step: int, mode: _Mode) -> int:
+        """One directive at the boundary after ``step``; returns the step the run continues from."""
+        assert self.control is not None
+        done = self.control.finished
+        if d.kind == "cancel":
+            for pending in self.stop_acks:
+                done(pending, False, "cancelled before the final checkpoint")
+            self.stop_acks = []
+            self.ending = self.outcome = "cancelled"
+            self.paused = False
+            done(d, True, f"cancelled at step {step}")
+        elif self.ending == "cancelled":
+            done(d, False, "the run is ending (cancelled)")
+        elif d.kind in ("stop", "preempt"):
+            if self.ending is None:  # the first one decides the outcome; a second is acknowledged with it
+                self.ending = self.outcome = OUTCOMES[d.kind]
+                self.final_step = step
+                self.paused = False
+            self.stop_acks.append(d)
+        elif self.ending is not None:
+            done(d, False, f"the run is ending ({self.ending})")
+        elif d.kind == "pause":
+            done(d, True, "already paused" if self.paused else f"paused at step {step}")
+            self.paused = True
+        elif d.kind == "resume":
+            done(d, True, f"resumed at step {step}" if self.paused else "not paused")
+            self.paused = False
+        elif d.kind == "set_params":
+            ok, message = self._set_params(d.args, step, mode)
+            done(d, ok, message)
+        elif d.kind == "rollback":
+            restored, message = self._rollback(d.args, step, mode)
+            done(d, restored is not None, message)
+            if restored is not None:
+                step = restored
+        else:  # Control.submit admits only known kinds; a new kind must be handled above
+            done(d, False, f"kind: {d.kind!r} is not handled by this runtime")
+        return step
+
+    def _ack_stops(self, step: int) -> None:
+        if not self.stop_acks or self.ckpt_step != step:
+            return
+        assert self.control is not None
+        for d in self.stop_acks:
+            self.control.finished(d, True, f"checkpoint at step {step}: {self.ckpt_path}")
+        self.stop_acks = []
+
+    def close_control(self, error: BaseException | None) -> None:
+        """The run is over. Directives it never applied are left to the controller: pending ones stay
+        in the Control, and one taken but unanswered (a stop whose checkpoint failed) is not answered
+        either, so that a restarted attempt can apply them (the role decides; see runtime.role)."""
+        if self.control is not None and error is None:
+            self.control.update(status="finished")
+
+    def _set_params(self, args: dict[str, Any], step: int, mode: _Mode) -> tuple[bool, str]:
+        """Validate every parameter first, then apply all (or none)."""
+        from pydantic import ValidationError
+
+        params = args.get("params")
+        if not isinstance(params, dict) or not params:
+            return False, "args.params: expected a non-empty mapping of parameter -> value"
+        trial = self.spec.model_copy(deep=True)
+        for key, value in params.items():
+            if key not in LIVE_PARAMS:
+                return False, f"{key}: not a live parameter (one of {', '.join(LIVE_PARAMS)})"
+            if key == "trainer.lr":
+                if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                    return False, f"{key}: must be a number > 0, got {value!r}"
+                if value <= 0:
+                    return False, f"{key}: must be > 0, got {value!r}"
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return False, f"{key}: must be an integer >= 0, got {value!r}"
+            section, name = key.split(".")
+            try:  # the spec's own bounds (validate_assignment)
+                setattr(getattr(trial, section), name, value)
+            except ValidationError as exc:
+                return False, f"{key}: {exc.errors()[0]['msg']}"
+        for key, value in params.items():
+            section, name = key.split(".")
+            setattr(getattr(self.spec, section), name, value)
+            if key == "trainer.lr":
+                self._set_lr(float(value))
+        mode.params_changed()
+        self.reporters.event("params", {"step": step, "params": dict(params)})
+        return True, "set " + ", ".join(f"{k}={v}" for k, v in params.items())
+
+    def _set_lr(self, lr: float) -> None:
+        """The policy optimizer's base learning rate; the warmup schedule keeps applying on top of it."""
+        optimizer, scheduler = self.trainer.optimizer, self.trainer.scheduler
+        for i, group in enumerate(optimizer.param_groups):
+            factor = scheduler.lr_lambdas[i](scheduler.last_epoch)
+            scheduler.base_lrs[i] = lr
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor
+
+    def _rollback(self, args: dict[str, Any], step: int, mode: _Mode) -> tuple[int | None, str]:
+        """Restore the full state of one of this run's checkpoints. (None, why) when refused: nothing changed."""
+        from runtime.checkpoint import CheckpointError, load_checkpoint, restore_rng
+
+        raw = args.get("path")
+        if not isinstance(raw, str) or not raw:
+            return None, "args.path: required, a checkpoint directory of this run"
+        root = self.ckpt.root.resolve()
+        path = Path(raw).resolve()  # symlinks and .. resolved before the containment check
+        if path == root or not path.is_relative_to(root):
+            return None, f"args.path: {raw} is not inside this run's checkpoint directory {root}"
+        try:
+            state = load_checkpoint(path)  # manifest and checksums: a complete checkpoint only
+        except CheckpointError as exc:
+            return None, f"args.path: {raw} is not a complete checkpoint ({exc})"
+        missing = [k for k in ("trainer", "rng", "source", "pipeline") if k not in state]
+        if missing:
+            return None, f"args.path: {raw} is not a pipeline checkpoint (no {', '.join(missing)})"
+        target = int(state["pipeline"]["step"])
+        want = args.get("step")
+        if want is not None and (isinstance(want, bool) or not isinstance(want, int) or want != target):
+            return None, f"args.step: {want!r} does not match the checkpoint's step {target}"
+
+        # From here on the state changes. Results of generation issued so far are forgotten first.
+        mode.forget_in_flight()
+        new_version = self.weights.version + 1  # versions stay monotonic for staleness accounting
+        offset = new_version - int(state["pipeline"]["version"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.trainer.version = new_version
+        restore_rng(state["rng"], strict=False)
+        self.source.load_state_dict(state["source"])
+        for item in self.source.reissue:  # versions of the checkpoint's timeline, renumbered
+            item.min_version += offset
+        self.dropped_total = int(state["pipeline"].get("dropped_total", 0))
+        mode.restore(state, offset)  # publishes the restored weights as new_version
+        aside = self._set_aside_after(target)
+        self._rewind_trace(target)
+        self.evals = [e for e in self.evals if e["step"] <= target]
+        self.ckpt_step = self.eval_step = target
+        self.ckpt_path = path
+        self.last_metrics = {}
+        payload: dict[str, Any] = {"step": target, "path": str(path), "weight_version": new_version}
+        if aside:
+            payload["set_aside"] = [str(p) for p in aside]
+        self.reporters.event("rollback", payload)
+        return target, f"restored step {target}"
+
+    def _set_aside_after(self, step: int) -> list[Path]:
+        """Move the checkpoints after ``step`` (an abandoned timeline) out of the manager's view.
+
+        Left in place, resuming would pick the newest of them instead of the current timeline's,
+        and retention would count them and delete the new timeline's checkpoints."""
+        later = [info.path for info in self.ckpt.list() if info.step > step]
+        if not later:
+            return []
+        from runtime.checkpoint import step_dir_name
+
+        parent = self.ckpt.root / REWOUND_DIR
+        n = 1
+        while (parent / f"{n:03d}-to-{step_dir_name(step)}").exists():
+            n += 1
+        dest = parent / f"{n:03d}-to-{step_dir_name(step)}"
+        dest.mkdir(parents=True)
+        moved = []
+        for path in later:
+            os.rename(path, dest / path.name)
+            moved.append(dest / path.name)
+        return moved
+
+    def _rewind_trace(self, step: int) -> None:
+        keep = step - self.trace_start
+        if keep < 0:  # a checkpoint from before this process's first step: all of its trace is rewound
+            keep, self.trace_start = 0, step
+        mark = self.dropped_marks.get(step, len(self.trace["dropped"]))
+        self.trace["rewound"].append(
+            {"step": step, "consumed": self.trace["consumed"][keep:], "dropped": self.trace["dropped"][mark:]}
+        )
+        self.trace["consumed"] = self.trace["consumed"][:keep]
+        self.trace["dropped"] = self.trace["dropped"][:mark]
+        self.dropped_marks = {s: m for s, m in self.dropped_marks.items() if s <= step}
 
 
 def run(
@@ -243,80 +531,118 @@ def run(
     resume: str | Path | None = None,
     reporters: Any = None,
     stop: Callable[[int, dict[str, float]], bool] | None = None,
+    control: Control | None = None,
 ) -> dict[str, Any]:
     """Run ``spec`` to ``pipeline.steps`` (continuing from the checkpoint ``resume`` when given).
 
     ``stop(step, metrics)``, checked after every step, ends the run early as if that step were
-    the last (final evaluation and checkpoint included): a wall-clock budget, a stop command.
-    Returns the final step's metrics, the evaluations, and a trace of the issue indices
-    consumed per step / dropped / left over (queue and in flight) at the end.
+    the last (final evaluation and checkpoint included): a wall-clock budget, for instance.
+    ``control`` brings directives (pause, stop, rollback, ...), applied at step boundaries, and
+    receives the run's status. Returns the final step's metrics, the evaluations, the outcome
+    (completed, stopped, preempted, cancelled), and a trace of the issue indices consumed per
+    step / dropped / left over (queue and in flight) at the end.
     """
-    ctx = _Run(spec, Path(resume) if resume is not None else None, reporters, stop)
+    ctx = _Run(spec, Path(resume) if resume is not None else None, reporters, stop, control)
+    error: BaseException | None = None
     try:
-        if spec.pipeline.mode == "async":
-            return _run_async(ctx)
-        return _run_inline(ctx)
+        if ctx.spec.pipeline.mode == "async":
+            return _Async(ctx).run()
+        return _Inline(ctx).run()
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
+        ctx.close_control(error)
         ctx.reporters.close()
 
 
 # ---- sync and colocated ---------------------------------------------------------
 
 
-def _run_inline(ctx: _Run) -> dict[str, Any]:
+class _Inline:
     """sync and colocated: generation and training alternate in this process."""
-    from runtime.models import build_policy
 
-    spec = ctx.spec
-    colocated = spec.pipeline.mode == "colocated"
-    trainer = ctx.trainer
-    if colocated:
-        engine_model = ctx.models.policy  # zero copy: the engine reads the trainer's parameters
-    else:
-        engine_model, _ = build_policy(spec.model, ctx.device, seed=spec.seed)
-        engine_model.eval()
-    engine = build_engine(engine_model, ctx.tokenizer, ctx.device, spec)
-    engine.update_weights(None if colocated else trainer.publish_state(), ctx.weights.version)
-    worker = RolloutWorker(spec, engine, ctx.tokenizer, ctx.task, ctx.device)
-    offload = colocated and spec.pipeline.offload_optimizer
-    P = spec.pipeline.prompts_per_step
+    def __init__(self, ctx: _Run):
+        from runtime.models import build_policy
 
-    step = ctx.start_step
-    if ctx.eval_due(step):
-        ctx.record_eval(step, ctx.run_eval(engine))
-    while step < spec.pipeline.steps:
-        timer = M.StepTimer()
-        started = time.perf_counter()
-        items = ctx.source.next(P, min_version=ctx.weights.version)
-        with timer.section("generate"):
-            if offload:
-                trainer.offload_optimizer()
-            with torch.no_grad():
-                samples, gen_tokens = worker.generate(items)
-            if offload:
-                trainer.reload_optimizer()
-        with timer.section("train"):
-            trained = trainer.train_step(samples, step)
-        with timer.section("weight_sync"):
-            state = None if colocated else trainer.publish_state()
-            version = ctx.weights.publish(state, version=trainer.version)
-            engine.update_weights(state, version)
-        step += 1
-        split = timer.lap()
-        split[M.TIME_WAIT] = split[M.TIME_GENERATE]  # lock-step: the trainer idles while generating
-        ctx.trace["consumed"].append(sorted({s.group_id for s in samples}))
-        ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, samples, gen_tokens)
-        ctx.last_metrics[M.QUEUE_DEPTH] = 0
-        ctx.last_metrics[M.QUEUE_WATERMARK] = len(samples)
-        ctx.reporters.report(step, ctx.last_metrics)
-        last = ctx.should_stop(step)
-        if ctx.eval_due(step):  # at the step boundary, timed apart from the step (time/eval)
-            ctx.record_eval(step, ctx.run_eval(engine))
-        if ctx.checkpoint_due(step):
-            ctx.save_checkpoint(step, {"queue": _pack_queue(SampleQueue(1).snapshot()), "in_flight": []})
-        if last:
-            break
-    return ctx.finish(step)
+        spec = ctx.spec
+        self.ctx = ctx
+        self.colocated = spec.pipeline.mode == "colocated"
+        if self.colocated:
+            engine_model = ctx.models.policy  # zero copy: the engine reads the trainer's parameters
+        else:
+            engine_model, _ = build_policy(spec.model, ctx.device, seed=spec.seed)
+            engine_model.eval()
+        self.engine = build_engine(engine_model, ctx.tokenizer, ctx.device, spec)
+        self.publish(initial=True)
+        self.worker = RolloutWorker(spec, self.engine, ctx.tokenizer, ctx.task, ctx.device)
+
+    def publish(self, initial: bool = False) -> int:
+        """The trainer's weights as its version, to the weight service and the engine."""
+        ctx = self.ctx
+        state = None if self.colocated else ctx.trainer.publish_state()
+        version = ctx.weights.version if initial else ctx.weights.publish(state, version=ctx.trainer.version)
+        self.engine.update_weights(state, version)
+        return version
+
+    def run(self) -> dict[str, Any]:
+        ctx, spec, trainer = self.ctx, self.ctx.spec, self.ctx.trainer
+        offload = self.colocated and spec.pipeline.offload_optimizer
+        P = spec.pipeline.prompts_per_step
+
+        step = ctx.start_step
+        if ctx.eval_due(step):
+            self.evaluate(step)
+            ctx.eval_step = step
+        ctx.publish_status(step)
+        while step < spec.pipeline.steps:
+            timer = M.StepTimer()
+            started = time.perf_counter()
+            items = ctx.source.next(P, min_version=ctx.weights.version)
+            with timer.section("generate"):
+                if offload:
+                    trainer.offload_optimizer()
+                with torch.no_grad():
+                    samples, gen_tokens = self.worker.generate(items)
+                if offload:
+                    trainer.reload_optimizer()
+            with timer.section("train"):
+                trained = trainer.train_step(samples, step)
+            with timer.section("weight_sync"):
+                self.publish()
+            step += 1
+            split = timer.lap()
+            split[M.TIME_WAIT] = split[M.TIME_GENERATE]  # lock-step: the trainer idles while generating
+            ctx.trace["consumed"].append(sorted({s.group_id for s in samples}))
+            ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, samples, gen_tokens)
+            ctx.last_metrics[M.QUEUE_DEPTH] = 0
+            ctx.last_metrics[M.QUEUE_WATERMARK] = len(samples)
+            ctx.reporters.report(step, ctx.last_metrics)
+            ctx.publish_status(step)
+            nxt = ctx.boundary(step, self)
+            if nxt is None:
+                break
+            step = nxt
+        return ctx.finish(step)
+
+    # ---- _Mode ----
+    def evaluate(self, step: int) -> None:  # at the step boundary, timed apart from the step (time/eval)
+        self.ctx.record_eval(step, self.ctx.run_eval(self.engine))
+
+    def checkpoint(self, step: int) -> None:
+        self.ctx.save_checkpoint(step, {"queue": _pack_queue(SampleQueue(1).snapshot()), "in_flight": []})
+
+    def forget_in_flight(self) -> None:
+        pass  # nothing is generated between steps
+
+    def restore(self, state: dict[str, Any], offset: int) -> None:
+        self.publish()
+
+    def params_changed(self) -> None:
+        pass  # eval_interval and lr are read where used; the lag bound means nothing in lock-step
+
+    def tick(self) -> None:
+        pass
 
 
 def _pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -328,68 +654,124 @@ def _pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:
     return snap
 
 
-def _unpack_queue(state: dict[str, Any]) -> dict[str, Any]:
+def _unpack_queue(state: dict[str, Any], offset: int = 0) -> dict[str, Any]:
+    """A checkpoint's queue; ``offset`` renumbers the samples' weight versions (after a rollback)."""
     from runtime.checkpoint import unpack_samples
 
     snap = dict(state)
     snap["items"] = unpack_samples(snap["items"])
     snap["stale"] = unpack_samples(snap["stale"])
+    if offset:
+        for s in snap["items"] + snap["stale"]:
+            s.versions = [v + offset for v in s.versions]
     return snap
 
 
 # ---- async ------------------------------------------------------------------------
 
 
-class _AsyncState:
-    """Trainer-side bookkeeping of the rollout processes: what is in flight, what came back."""
+@dataclass(eq=False)
+class _Slot:
+    """One rollout process with its own work queue and result pipe."""
 
-    def __init__(self, queue: SampleQueue):
+    rank: int
+    proc: Any
+    work_q: Any
+    conn: Any  # the trainer's (receiving) end of the result pipe
+    outstanding: int = 0  # work items issued to it and not yet returned
+    eof: bool = False  # its pipe is closed: the process is gone and everything it sent was read
+    dead_since: float | None = None
+    handled: bool = False  # its death was handled (work re-issued, replacement started)
+
+
+class _AsyncState:
+    """Trainer-side bookkeeping of the rollout processes: who holds which work, what came back.
+
+    Every message of work gets a ticket; ``owner`` maps the tickets outstanding to (slot, issue
+    indices). A result is accepted only for a ticket still outstanding and held by the process
+    that sent it; a dead process's tickets and (at a rollback) all tickets are withdrawn, so their
+    late results are dropped and the work issued again is the only copy ever trained on.
+    """
+
+    def __init__(self, queue: SampleQueue, weights: WeightService):
         self.queue = queue
-        self.lock = threading.Lock()  # guards in_flight + queue puts against a checkpoint snapshot
+        self.weights = weights
+        self.lock = threading.Lock()  # guards slots, owner, in_flight + queue puts against a checkpoint snapshot
+        self.slots: list[_Slot] = []
+        self.owner: dict[int, tuple[_Slot, list[int]]] = {}
         self.in_flight: dict[int, WorkItem] = {}
+        self.next_ticket = 0
+        self.discarded = 0  # results dropped because their ticket was withdrawn
         self.gen_s = 0.0
         self.gen_tokens = 0
         self.error: str | None = None
-        self.ready = 0
-        self.exited = 0
         self.done = False  # set once every rollout process has exited
 
-    def in_flight_samples(self, group_size: int) -> int:
-        with self.lock:
-            return len(self.in_flight) * group_size
+    def receive(self) -> None:
+        """Receiver thread: rollout messages -> queue, until every process has exited and its pipe is drained."""
+        from multiprocessing.connection import wait
 
-    def receive(self, out_q: Any, n_workers: int) -> None:
-        """Receiver thread: rollout messages -> queue, until every rollout process has exited."""
-        from runtime.queue import unpack_samples
-
-        while self.exited < n_workers:
-            try:
-                kind, rank, payload = out_q.get(timeout=0.2)
-            except std_queue.Empty:
+        while True:
+            with self.lock:
+                open_slots = {s.conn: s for s in self.slots if not s.eof}
+            if not open_slots:
                 if self.done:
                     return
+                time.sleep(0.05)
                 continue
-            if kind == "samples":
-                blob, info = payload
-                samples = unpack_samples(from_bytes(blob))
-                with self.lock:
-                    # never blocks: the trainer only issues work the queue has room for
-                    try:
-                        if not self.queue.put(samples, timeout=60):
-                            self.error = "sample queue stayed full for 60 s (credit accounting broken)"
-                    except QueueClosed:
-                        continue
-                    for index in info["indices"]:
-                        self.in_flight.pop(index, None)
-                    self.gen_s += info["gen_s"]
-                    self.gen_tokens += info["tokens"]
-            elif kind == "ready":
-                self.ready += 1
-            elif kind == "error":
-                self.error = f"rollout process {rank} failed:\n{payload}"
-                self.queue.close()
-            elif kind == "exit":
-                self.exited += 1
+            for ready in wait(list(open_slots), timeout=0.2):
+                slot = open_slots[ready]
+                try:
+                    kind, rank, payload = slot.conn.recv()
+                except (EOFError, OSError):  # the process is gone (exit, kill) and its pipe is drained
+                    slot.conn.close()
+                    self.weights.reader_gone(slot.proc.pid)
+                    with self.lock:
+                        slot.eof = True
+                    continue
+                try:
+                    self._handle(slot, kind, rank, payload)
+                except Exception as exc:  # never die silently: the trainer would wait for samples for ever
+                    self.error = f"receiving from rollout process {rank} failed: {type(exc).__name__}: {exc}"
+                    self.queue.close()
+
+    def _handle(self, slot: _Slot, kind: str, rank: int, payload: Any) -> None:
+        from runtime.queue import unpack_samples
+
+        if kind == "samples":
+            blob, info = payload
+            samples = unpack_samples(from_bytes(blob))
+            with self.lock:
+                held = self.owner.get(info["ticket"])
+                if held is None or held[0] is not slot:  # withdrawn: a dead process's, or from before a rollback
+                    self.discarded += 1
+                    return
+                # never blocks: the trainer only issues work the queue has room for
+                try:
+                    if not self.queue.put(samples, timeout=60):
+                        self.error = "sample queue stayed full for 60 s (credit accounting broken)"
+                        return
+                except QueueClosed:
+                    return
+                del self.owner[info["ticket"]]
+                for index in held[1]:
+                    self.in_flight.pop(index, None)
+                slot.outstanding -= len(held[1])
+                self.gen_s += info["gen_s"]
+                self.gen_tokens += info["tokens"]
+        elif kind == "error":
+            self.error = f"rollout process {rank} failed:\n{payload}"
+            self.queue.close()
+
+    def withdraw(self, slot: _Slot | None = None) -> list[WorkItem]:
+        """Take back the work held by ``slot`` (every slot's when None); caller holds the lock."""
+        items: list[WorkItem] = []
+        for ticket, (holder, indices) in list(self.owner.items()):
+            if slot is None or holder is slot:
+                del self.owner[ticket]
+                holder.outstanding -= len(indices)
+                items.extend(self.in_flight.pop(i) for i in indices)
+        return sorted(items, key=lambda it: it.index)
 
     def take_gen_counters(self) -> tuple[float, int]:
         with self.lock:
@@ -398,152 +780,286 @@ class _AsyncState:
             return out
 
 
-def _run_async(ctx: _Run) -> dict[str, Any]:
-    spec = ctx.spec
-    trainer = ctx.trainer
-    G = spec.algorithm.group_size
-    B = spec.samples_per_step
-    lag = spec.pipeline.max_policy_lag
-    policy = spec.pipeline.on_lag_exceeded
-    queue = SampleQueue(spec.queue_capacity, max_policy_lag=lag, on_lag_exceeded=policy)
-    st = _AsyncState(queue)
-    if ctx.resume_state is not None:
-        queue.restore(_unpack_queue(ctx.resume_state["queue"]))
-        in_flight = [WorkItem.unpack(d) for d in ctx.resume_state["in_flight"]]
-        ctx.source.give_back(in_flight)  # in-flight prompts at checkpoint time are re-issued first
-        stale = queue.pop_stale()  # stale but not yet handled when the checkpoint was taken
-        if stale:
-            _handle_stale(ctx, queue, stale, policy)
-    if B > queue.capacity:
-        raise PipelineError(f"pipeline.queue_capacity: {queue.capacity} is smaller than one step's {B} samples")
+def _death_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
 
-    ctx.weights.keep = max(2, lag + 1)  # every version a consumable sample can come from
-    probe = ConsistencyProbe(spec, ctx.device, max_samples=min(G, 4))  # a sample of the batch: cheap
-    mp = torch.multiprocessing.get_context("spawn")
-    shared = ctx.weights.shared_handle(trainer.publish_state(), mp)
-    ctx.weights.initialize(trainer.publish_state())
-    work_q, out_q, stop = mp.Queue(), mp.Queue(), mp.Event()
-    n_workers = spec.resources.rollout_workers
-    procs = [
-        mp.Process(
+
+class _Async:
+    """async: rollout processes generate into the queue while the trainer trains."""
+
+    def __init__(self, ctx: _Run):
+        spec = ctx.spec
+        self.ctx = ctx
+        self.G = spec.algorithm.group_size
+        self.B = spec.samples_per_step
+        self.policy = spec.pipeline.on_lag_exceeded
+        self.queue = SampleQueue(
+            spec.queue_capacity, max_policy_lag=spec.pipeline.max_policy_lag, on_lag_exceeded=self.policy
+        )
+        self.st = _AsyncState(self.queue, ctx.weights)
+        if ctx.resume_state is not None:
+            self.queue.restore(_unpack_queue(ctx.resume_state["queue"]))
+            in_flight = [WorkItem.unpack(d) for d in ctx.resume_state["in_flight"]]
+            ctx.source.give_back(in_flight)  # in-flight prompts at checkpoint time are re-issued first
+            self._handle_stale()  # stale but not yet handled when the checkpoint was taken
+        if self.B > self.queue.capacity:
+            raise PipelineError(
+                f"pipeline.queue_capacity: {self.queue.capacity} is smaller than one step's {self.B} samples"
+            )
+        ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)  # every version a consumable sample can come from
+        self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.G))
+        self.restarts = [0] * spec.resources.rollout_workers
+        self.evaluator: BackgroundEvaluator | None = None
+        self.mp = torch.multiprocessing.get_context("spawn")
+        self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
+
+    # ---- rollout processes ----
+    def spawn(self, rank: int) -> _Slot:
+        recv, send = self.mp.Pipe(duplex=False)
+        work_q = self.mp.Queue()
+        proc = self.mp.Process(
             target=rollout_process,
-            args=(rank, spec.resolved(), shared, work_q, out_q, stop, ctx.rollout_threads),
+            args=(rank, self.ctx.spec.resolved(), self.shared, work_q, send, self.flags, self.ctx.rollout_threads),
             name=f"rollout-{rank}",
             daemon=True,
         )
-        for rank in range(n_workers)
-    ]
-    for p in procs:
-        p.start()
-    receiver = threading.Thread(target=st.receive, args=(out_q, n_workers), name="receiver", daemon=True)
-    receiver.start()
-    evaluator = None
-    if spec.pipeline.eval_interval > 0:
-        evaluator = BackgroundEvaluator(lambda: _eval_engine(ctx), ctx.run_eval)
-    per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // G))
+        proc.start()
+        send.close()  # the child holds the only writing end: its death closes the pipe (EOF)
+        slot = _Slot(rank, proc, work_q, recv)
+        with self.st.lock:
+            self.st.slots.append(slot)
+        return slot
 
-    def top_up(next_take: int) -> None:
+    def live_slots(self) -> list[_Slot]:
+        return [s for s in self.st.slots if not s.handled and s.dead_since is None]
+
+    def rollout_status(self) -> dict[str, Any]:
+        pids = [s.proc.pid for s in sorted(self.live_slots(), key=lambda s: s.rank)]
+        return {"rollout_pids": pids, "rollout_restarts": sum(self.restarts)}
+
+    def supervise(self) -> None:
+        """Fail on a rollout error; replace a rollout process that died, issuing its work again."""
+        if self.st.error:
+            raise PipelineError(self.st.error)
+        now = time.monotonic()
+        for slot in list(self.st.slots):
+            if slot.handled or slot.proc.exitcode is None:
+                continue
+            if slot.dead_since is None:
+                slot.dead_since = now
+            # let the receiver read what it sent before dying (EOF), so finished work is not redone
+            if not slot.eof and now - slot.dead_since < 5.0:
+                continue
+            self.replace(slot)
+
+    def replace(self, slot: _Slot) -> None:
+        ctx, rank = self.ctx, slot.rank
+        reason = _death_reason(slot.proc.exitcode)
+        slot.handled = True
+        with self.st.lock:
+            items = self.st.withdraw(slot)
+            for item in items:  # back at their old place in line, with the weights allowed there
+                item.pinned = True
+            ctx.source.give_back(items)
+            self.st.slots = [s for s in self.st.slots if not (s.handled and s.eof) or s is slot]
+        slot.work_q.cancel_join_thread()  # nobody reads it any more: never block exit on it
+        slot.work_q.close()
+        ctx.weights.reader_died(slot.proc.pid)  # the others must not wait for a lock it died holding
+        budget = ctx.spec.resources.rollout_restarts
+        if self.restarts[rank] >= budget:
+            raise PipelineError(
+                f"rollout process {rank} {reason}; its restart budget resources.rollout_restarts={budget} is spent"
+            )
+        self.restarts[rank] += 1
+        self.spawn(rank)
+        ctx.reporters.event(
+            "rollout_restarted",
+            {"rank": rank, "restarts": self.restarts[rank], "reason": reason, "reissued": len(items)},
+        )
+        ctx.publish_status(**self.rollout_status())
+
+    def top_up(self, next_take: int) -> None:
         """Issue work while the queue has room for it (credits), each message within one step's share.
 
         ``next_take``: the trainer version at its next ``take`` (the current one before this step's
         take, one more after it)."""
+        ctx, st, G, B = self.ctx, self.st, self.G, self.B
+        lag = ctx.spec.pipeline.max_policy_lag
         while True:
             with st.lock:
-                ahead = len(queue) + len(st.in_flight) * G
-                room = queue.capacity - ahead
+                live = [s for s in self.live_slots() if s.proc.exitcode is None]
+                if not live:
+                    return  # replacements are started by supervise()
+                ahead = len(self.queue) + len(st.in_flight) * G
+                room = self.queue.capacity - ahead
                 to_boundary = (B - ahead % B) // G  # a message never straddles two steps' shares
-                n = min(per_message, room // G, max(1, to_boundary))
+                n = min(self.per_message, room // G, max(1, to_boundary))
                 if n < 1:
                     return
                 # throttle: the message is consumed around version + ahead // B; it must be generated
                 # with weights at most `lag` versions older than that
-                min_version = max(0, next_take + ahead // B - lag) if policy == "throttle" else 0
+                min_version = max(0, next_take + ahead // B - lag) if self.policy == "throttle" else 0
                 items = ctx.source.next(n, min_version=min_version)
+                slot = min(live, key=lambda s: (s.outstanding, s.rank))  # the least loaded process
+                ticket = st.next_ticket
+                st.next_ticket += 1
+                st.owner[ticket] = (slot, [it.index for it in items])
+                slot.outstanding += len(items)
                 for it in items:
                     st.in_flight[it.index] = it
-            work_q.put([it.pack() for it in items])
+            slot.work_q.put((ticket, int(self.flags[EPOCH]), [it.pack() for it in items]))
 
-    def check_alive() -> None:
-        if st.error:
-            raise PipelineError(st.error)
-        dead = [p.name for p in procs if not p.is_alive()]
-        if dead:
-            raise PipelineError(f"rollout process(es) {', '.join(dead)} exited unexpectedly")
-
-    step = ctx.start_step
-    try:
-        if evaluator is not None and ctx.eval_due(step):
-            evaluator.submit(step, ctx.weights.version, ctx.weights.state(ctx.weights.version))
-        queue.reset_watermark()
-        while step < spec.pipeline.steps:
-            timer = M.StepTimer()
-            started = time.perf_counter()
-            top_up(trainer.version)
-            with timer.section("wait"):
-                batch = None
-                while batch is None:
-                    try:
-                        batch = queue.take(B, trainer.version, timeout=0.2)
-                    except QueueClosed:
-                        check_alive()
-                        raise
-                    stale = queue.pop_stale()
-                    if stale:
-                        _handle_stale(ctx, queue, stale, policy)
-                    if batch is None:
-                        check_alive()
-                        top_up(trainer.version)
-            stats = queue.stats()
-            top_up(trainer.version + 1)  # refill at once so the rollouts keep generating while we train
-            with timer.section("train"):
-                trained = trainer.train_step(batch, step)
-            if M.CONSISTENCY_KL not in trained:  # no sample of the trainer's own version in this batch
-                trained.update(probe.measure(batch, ctx.weights))
-            with timer.section("weight_sync"):
-                version = ctx.weights.publish(trainer.publish_state(), version=trainer.version)
-            step += 1
-            gen_s, gen_tokens = st.take_gen_counters()
-            timer.add("generate", gen_s)
-            split = timer.lap()
-            ctx.trace["consumed"].append(sorted({s.group_id for s in batch}))
-            ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, batch, gen_tokens)
-            ctx.last_metrics[M.QUEUE_DEPTH] = stats.depth
-            ctx.last_metrics[M.QUEUE_WATERMARK] = stats.high_water
+    # ---- the loop ----
+    def run(self) -> dict[str, Any]:
+        ctx, spec, trainer, st, queue = self.ctx, self.ctx.spec, self.ctx.trainer, self.st, self.queue
+        B = self.B
+        probe = ConsistencyProbe(spec, ctx.device, max_samples=min(self.G, 4))  # a sample of the batch: cheap
+        self.shared = ctx.weights.shared_handle(trainer.publish_state(), self.mp)
+        ctx.weights.initialize(trainer.publish_state())
+        receiver = threading.Thread(target=st.receive, name="receiver", daemon=True)
+        step = ctx.start_step
+        try:
+            for rank in range(spec.resources.rollout_workers):
+                self.spawn(rank)
+            receiver.start()
+            self.params_changed()  # the evaluator, when evaluation is on
+            if ctx.eval_due(step):
+                self.evaluate(step)
+                ctx.eval_step = step
+            ctx.publish_status(step, **self.rollout_status())
             queue.reset_watermark()
-            ctx.reporters.report(step, ctx.last_metrics)
-            last = ctx.should_stop(step)
-            if evaluator is not None:
-                for eval_step, result in evaluator.results():
-                    ctx.record_eval(eval_step, result)
-                if ctx.eval_due(step):
-                    evaluator.submit(step, version, ctx.weights.state(version))
-            if ctx.checkpoint_due(step):
-                with st.lock:
-                    snap = queue.snapshot()
-                    in_flight_state = [it.pack() for it in st.in_flight.values()]
-                ctx.save_checkpoint(step, {"queue": _pack_queue(snap), "in_flight": in_flight_state})
-            if last:
-                break
-    finally:
-        stop.set()
-        for _ in procs:
-            work_q.put(None)
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            while step < spec.pipeline.steps:
+                timer = M.StepTimer()
+                started = time.perf_counter()
+                self.supervise()  # a dead process's work is issued again before it is waited for
+                self.top_up(trainer.version)
+                with timer.section("wait"):
+                    batch = None
+                    while batch is None:
+                        try:
+                            batch = queue.take(B, trainer.version, timeout=0.2)
+                        except QueueClosed:
+                            self.supervise()
+                            raise
+                        self._handle_stale()
+                        if batch is None:
+                            self.supervise()
+                            self.top_up(trainer.version)
+                stats = queue.stats()
+                self.top_up(trainer.version + 1)  # refill at once so the rollouts keep generating while we train
+                with timer.section("train"):
+                    trained = trainer.train_step(batch, step)
+                if M.CONSISTENCY_KL not in trained:  # no sample of the trainer's own version in this batch
+                    trained.update(probe.measure(batch, ctx.weights))
+                with timer.section("weight_sync"):
+                    ctx.weights.publish(trainer.publish_state(), version=trainer.version)
+                step += 1
+                gen_s, gen_tokens = st.take_gen_counters()
+                timer.add("generate", gen_s)
+                split = timer.lap()
+                ctx.trace["consumed"].append(sorted({s.group_id for s in batch}))
+                ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, batch, gen_tokens)
+                ctx.last_metrics[M.QUEUE_DEPTH] = stats.depth
+                ctx.last_metrics[M.QUEUE_WATERMARK] = stats.high_water
+                queue.reset_watermark()
+                ctx.reporters.report(step, ctx.last_metrics)
+                self.collect_evals()
+                ctx.publish_status(step, **self.rollout_status())
+                nxt = ctx.boundary(step, self)
+                if nxt is None:
+                    break
+                if nxt != step:  # rolled back
+                    queue.reset_watermark()
+                step = nxt
+        finally:
+            self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != "cancelled")
+        with st.lock:
+            ctx.trace["leftover"] = sorted(
+                {s.group_id for s in queue.snapshot()["items"]}
+                | set(st.in_flight)
+                | {w.index for w in ctx.source.reissue}
+            )
+        return ctx.finish(step)
+
+    def shutdown(self, receiver: threading.Thread, wait_eval: bool) -> None:
+        st = self.st
+        self.flags[STOP] = 1
+        slots = list(st.slots)
+        for slot in slots:
+            if not slot.handled:
+                slot.work_q.put(None)
+        for slot in slots:
+            slot.proc.join(timeout=60)
+            if slot.proc.is_alive():
+                slot.proc.kill()
+                slot.proc.join()
+            slot.work_q.cancel_join_thread()
         st.done = True  # every process has exited: the receiver drains what they sent, then stops
-        receiver.join(timeout=60)
-        work_q.cancel_join_thread()
-        if evaluator is not None:
-            for eval_step, result in evaluator.close(wait=step == ctx.final_step):
-                ctx.record_eval(eval_step, result)
-    with st.lock:
-        ctx.trace["leftover"] = sorted(
-            {s.group_id for s in queue.snapshot()["items"]} | set(st.in_flight) | {w.index for w in ctx.source.reissue}
-        )
-    return ctx.finish(step)
+        if receiver.is_alive():
+            receiver.join(timeout=60)
+        if self.evaluator is not None:
+            for eval_step, result in self.evaluator.close(wait=wait_eval):
+                self.ctx.record_eval(eval_step, result)
+
+    def collect_evals(self) -> None:
+        if self.evaluator is not None:
+            for eval_step, result in self.evaluator.results():
+                self.ctx.record_eval(eval_step, result)
+
+    def _handle_stale(self) -> None:
+        stale = self.queue.pop_stale()
+        if stale:
+            _handle_stale(self.ctx, self.queue, stale, self.policy)
+
+    # ---- _Mode ----
+    def evaluate(self, step: int) -> None:
+        if self.evaluator is not None:
+            version = self.ctx.weights.version
+            self.evaluator.submit(step, version, self.ctx.weights.state(version))
+
+    def checkpoint(self, step: int) -> None:
+        with self.st.lock:
+            snap = self.queue.snapshot()
+            in_flight_state = [it.pack() for it in self.st.in_flight.values()]
+        self.ctx.save_checkpoint(step, {"queue": _pack_queue(snap), "in_flight": in_flight_state})
+
+    def forget_in_flight(self) -> None:
+        with self.st.lock:
+            self.st.withdraw()  # late results of these tickets are dropped on arrival
+            self.flags[EPOCH] += 1  # and rollout processes skip the messages they have not started
+        if self.evaluator is not None:  # evaluations of the abandoned timeline are reported before the rollback
+            for eval_step, result in self.evaluator.close(wait=False):
+                self.ctx.record_eval(eval_step, result)
+            self.evaluator = None
+
+    def restore(self, state: dict[str, Any], offset: int) -> None:
+        ctx = self.ctx
+        with self.st.lock:
+            self.queue.clear()
+            self.queue.restore(_unpack_queue(state["queue"], offset))
+        in_flight = [WorkItem.unpack(d) for d in state["in_flight"]]
+        for item in in_flight:
+            item.min_version += offset
+        ctx.source.give_back(in_flight)
+        ctx.weights.publish(ctx.trainer.publish_state(), version=ctx.trainer.version)
+        self._handle_stale()
+        self.params_changed()
+
+    def params_changed(self) -> None:
+        spec = self.ctx.spec
+        self.queue.max_policy_lag = spec.pipeline.max_policy_lag
+        self.ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)
+        if self.evaluator is None and spec.pipeline.eval_interval > 0:
+            self.evaluator = BackgroundEvaluator(lambda: _eval_engine(self.ctx), self.ctx.run_eval)
+
+    def tick(self) -> None:
+        self.supervise()
+        self.collect_evals()
 
 
 def _handle_stale(ctx: _Run, queue: SampleQueue, stale: list[Sample], policy: str) -> None:

@@ -218,6 +218,16 @@ class SampleQueue:
                 "dropped_stale": self._dropped_stale,
             }
 
+    def clear(self) -> None:
+        """Forget everything (contents, stale list, ids, counters), e.g. before a rollback's :meth:`restore`."""
+        with self._cond:
+            self._items.clear()
+            self._stale = []
+            self._ids = set()
+            self._put_total = self._taken_total = self._dropped_stale = 0
+            self._high_water = 0
+            self._cond.notify_all()
+
     def restore(self, state: dict[str, Any]) -> None:
         """Load a :meth:`snapshot` into this (empty) queue."""
         with self._cond:

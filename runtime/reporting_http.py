@@ -20,8 +20,10 @@ Wire format (``POST <base_url><path>``, ``Authorization: Bearer <token>``)::
      "points": [{"seq": 7, "step": 12, "time": 1732960000.1, "metrics": {"reward/mean": 0.5}}],
      "events": [{"seq": 8, "time": ..., "kind": "checkpoint", "payload": {...}}]}
 
-Any 2xx acknowledges the whole batch; the reply's JSON body (pending commands,
-later) is passed to ``on_reply``. Anything else keeps the batch in the spool.
+Any 2xx acknowledges the whole batch; the reply's JSON body (pending commands)
+is passed to ``on_reply``. Anything else keeps the batch in the spool.
+:class:`JsonPoster` is the one POST of a JSON body with the run token, shared
+with the role's heartbeats and command acknowledgements (``runtime.role``).
 Standard library only.
 """
 
@@ -44,6 +46,51 @@ from runtime.metrics import ReporterError, clean_metrics, end_of_last_line, line
 SPOOL_FILE = "spool.jsonl"
 CURSOR_FILE = "cursor.json"
 DEFAULT_PATH = "/api/ingest/metrics"
+
+
+class PostError(Exception):
+    """A POST that got no 2xx: ``status`` is the HTTP status, or None when the platform was unreachable."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class JsonPoster:
+    """POSTs JSON bodies to one platform with a bearer token; returns the parsed reply.
+
+    Proxies from the environment are not used (the platform is on the cluster network).
+    """
+
+    def __init__(self, base_url: str, token: str, timeout_s: float = 10.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise ReporterError(f"base_url must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def url(self, path: str) -> str:
+        return self.base_url + "/" + path.lstrip("/")
+
+    def post(self, path: str, body: Any) -> Any:
+        """The reply's JSON (None when the body is empty or not JSON); :class:`PostError` unless 2xx."""
+        url = self.url(path)
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=self._headers, method="POST")
+        try:
+            with self._opener.open(request, timeout=self.timeout_s) as resp:
+                reply_bytes = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read()[:200].decode(errors="replace")
+            raise PostError(f"HTTP {exc.code} from {url}: {detail}", exc.code) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise PostError(f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
+        if not reply_bytes.strip():
+            return None
+        try:
+            return json.loads(reply_bytes)
+        except json.JSONDecodeError:
+            return None
 
 
 class HttpReporter:
@@ -75,13 +122,13 @@ class HttpReporter:
         timeout_s: float = 10.0,
         on_reply: Callable[[dict[str, Any]], None] | None = None,
     ):
-        if not base_url.startswith(("http://", "https://")):
-            raise ReporterError(f"base_url must start with http:// or https://, got {base_url!r}")
+        self._poster = JsonPoster(base_url, token, timeout_s)  # checks base_url
         if batch_size < 1:
             raise ReporterError(f"batch_size must be >= 1, got {batch_size}")
         if backoff_s <= 0 or backoff_max_s < backoff_s:
             raise ReporterError(f"need 0 < backoff_s <= backoff_max_s, got {backoff_s} and {backoff_max_s}")
-        self.url = base_url.rstrip("/") + "/" + path.lstrip("/")
+        self.path = path
+        self.url = self._poster.url(path)
         self.run = str(run)
         self.attempt = int(attempt)
         self.role = str(role)
@@ -91,8 +138,6 @@ class HttpReporter:
         self.backoff_max_s = backoff_max_s
         self.timeout_s = timeout_s
         self.on_reply = on_reply
-        self._headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         # Jitter from a private generator: the run's global RNG streams must not move.
         self._jitter = random.Random()
 
@@ -292,25 +337,14 @@ class HttpReporter:
             "points": [r for r in records if "step" in r],
             "events": [r for r in records if "kind" in r],
         }
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=self._headers, method="POST")
         try:
-            with self._opener.open(request, timeout=self.timeout_s) as resp:
-                reply_bytes = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:200].decode(errors="replace")
-            self.last_error = f"HTTP {exc.code} from {self.url}: {detail}"
-            return False
-        except (urllib.error.URLError, OSError) as exc:
-            self.last_error = f"{self.url} unreachable: {getattr(exc, 'reason', exc)}"
+            reply = self._poster.post(self.path, body)
+        except PostError as exc:
+            self.last_error = str(exc)
             return False
         self._commit(end)
         self.posts += 1
         self.last_error = None
-        if self.on_reply is not None and reply_bytes.strip():
-            try:
-                reply = json.loads(reply_bytes)
-            except json.JSONDecodeError:
-                reply = None
-            if isinstance(reply, dict):
-                self.on_reply(reply)
+        if self.on_reply is not None and isinstance(reply, dict):
+            self.on_reply(reply)
         return True

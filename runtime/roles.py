@@ -37,6 +37,9 @@ class WorkItem:
     index: int  # issue index: unique over the run; the group id of the prompt's samples
     prompt: Prompt
     min_version: int = 0  # generation waits until weights at least this new are available
+    # issued again at its old place in line (a dead rollout process's work): keep its min_version,
+    # which was computed for that place, rather than raising it to the bound of the end of the line
+    pinned: bool = False
 
     def pack(self) -> dict[str, Any]:
         p = self.prompt
@@ -62,7 +65,8 @@ class PromptSource:
         out: list[WorkItem] = []
         while self.reissue and len(out) < n:
             item = self.reissue.popleft()
-            item.min_version = max(item.min_version, min_version)
+            if not item.pinned:
+                item.min_version = max(item.min_version, min_version)
             out.append(item)
         while len(out) < n:
             prompt = self.prompts[self.cursor % len(self.prompts)]
@@ -71,10 +75,14 @@ class PromptSource:
         return out
 
     def give_back(self, items: list[WorkItem], min_version: int = 0) -> None:
-        """Re-issue ``items`` before any fresh prompt, generated with weights >= ``min_version``."""
-        for item in reversed(items):
+        """Re-issue ``items`` before any fresh prompt, generated with weights >= ``min_version``.
+
+        The re-issue list stays in issue order (oldest index first), however many times work
+        is given back (several dead rollout processes, stale groups): the oldest work is
+        consumed first, as it would have been."""
+        for item in items:
             item.min_version = max(item.min_version, min_version)
-            self.reissue.appendleft(item)
+        self.reissue = deque(sorted([*self.reissue, *items], key=lambda w: w.index))
 
     def state_dict(self) -> dict[str, Any]:
         return {"cursor": self.cursor, "reissue": [w.pack() for w in self.reissue]}
@@ -210,14 +218,25 @@ def rollout_device_index(spec: RunSpec, rank: int) -> int:
     return r.trainer_devices + rank % r.rollout_devices if r.rollout_devices else 0
 
 
-def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, out_q: Any, stop: Any, threads: int) -> None:
+STOP, EPOCH = 0, 1  # indices into the shared flags of the rollout processes (a lock-free RawArray)
+
+
+def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, conn: Any, flags: Any, threads: int) -> None:
     """Entry point of one rollout process: its own engine and threads, weights from the shared buffer.
 
-    Loop: take a batch of work items; wait until weights at least as new as the batch's
-    ``min_version`` are available (throttle); switch to the latest version (a batch boundary);
-    generate and score; send the packed samples back. Exits on ``None`` or when ``stop`` is set;
-    unprocessed items stay "in flight" for the trainer to account for.
+    Its own ``work_q`` brings messages ``(ticket, epoch, [packed WorkItem])`` (or None: exit); results
+    go back on its own pipe ``conn`` as ``("samples", rank, (blob, info))`` with the message's ticket
+    in ``info``. Nothing here is shared with the other rollout processes except the weight buffer
+    (whose lock the trainer frees if we die holding it) and ``flags`` (no lock at all), so a
+    process killed at any moment leaves the others and the trainer working.
+
+    Loop: take a message; skip it when it was issued before a rollback (``epoch`` is no longer
+    ``flags[EPOCH]``: the trainer has forgotten it); wait until weights at least as new as the
+    batch's ``min_version`` are available (throttle); switch to the latest version (a batch
+    boundary); generate and score; send the packed samples back. Exits on ``None``, when
+    ``flags[STOP]`` is set, or when the trainer process is gone.
     """
+    import os
     import queue as std_queue
     import time
     import traceback
@@ -228,6 +247,11 @@ def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, out_q:
     from runtime.spec import validate_spec
     from runtime.weights import WeightSubscriber
 
+    trainer_pid = os.getppid()
+
+    def ended() -> bool:  # the run stops, or the trainer was killed (we are orphaned)
+        return bool(flags[STOP]) or os.getppid() != trainer_pid
+
     try:
         set_threads(threads)
         spec = validate_spec(spec_data)
@@ -237,32 +261,45 @@ def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, out_q:
         engine = build_engine(policy, tokenizer, device, spec)
         worker = RolloutWorker(spec, engine, tokenizer, build_task(spec), device)
         sub = WeightSubscriber(shared, current_version=-1)
-        out_q.put(("ready", rank, None))
-        while not stop.is_set():
+        conn.send(("ready", rank, os.getpid()))
+        while not ended():
             try:
                 msg = work_q.get(timeout=0.2)
             except std_queue.Empty:
                 continue
             if msg is None:
                 break
-            items = [WorkItem.unpack(d) for d in msg]
+            ticket, epoch, packed = msg
+            if epoch != flags[EPOCH]:
+                continue
+            items = [WorkItem.unpack(d) for d in packed]
             need = max(it.min_version for it in items)
             waited = time.perf_counter()
             while not sub.wait_for(need, timeout=0.2):
-                if stop.is_set():
-                    return
+                if ended() or epoch != flags[EPOCH]:
+                    break
+            if ended() or epoch != flags[EPOCH]:
+                continue
             waited = time.perf_counter() - waited
             sub.switch(engine.update_weights)  # batch boundary: take the latest available version
             started = time.perf_counter()
             with torch.no_grad():
                 samples, tokens = worker.generate(items)
             elapsed = time.perf_counter() - started
-            info = {"indices": [it.index for it in items], "gen_s": elapsed, "tokens": tokens, "throttled_s": waited}
-            out_q.put(("samples", rank, (to_bytes(pack_samples(samples)), info)))
+            info = {"ticket": ticket, "gen_s": elapsed, "tokens": tokens, "throttled_s": waited}
+            conn.send(("samples", rank, (to_bytes(pack_samples(samples)), info)))
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the trainer is gone: nobody to report to
     except BaseException:  # the trainer turns this into a clear error and stops the run
-        out_q.put(("error", rank, traceback.format_exc()))
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
     finally:
-        out_q.put(("exit", rank, None))
+        try:
+            conn.send(("exit", rank, None))
+        except OSError:
+            pass
 
 
 class ConsistencyProbe:

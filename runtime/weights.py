@@ -10,7 +10,10 @@ Every published weight set gets a version, strictly increasing over the run.
   :class:`WeightSubscriber` in a rollout process keeps a *current* version (the
   weights its engine uses) and sees the *latest available* one, and switches
   only when asked to, at a batch boundary. A lock keeps a reader from seeing a
-  half-written buffer. (Across hosts a broadcast in a process group of its own
+  half-written buffer; a reader records its pid while it holds the lock, so
+  that the lock of a reader killed mid-copy (SIGKILL, OOM killer) is released
+  on its behalf (:meth:`WeightService.reader_gone`, :meth:`~WeightService.reader_died`)
+  instead of blocking the trainer and the other readers for ever. (Across hosts a broadcast in a process group of its own
   takes the buffer's place; not built yet.)
 * Rollback: the last ``keep`` published versions are kept on the host;
   :meth:`WeightService.rollback` republishes an old one under a NEW, higher
@@ -21,6 +24,8 @@ Workload-agnostic: it moves name -> tensor dicts and knows nothing of LLMs.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -42,8 +47,14 @@ class SharedWeights:
     """What a rollout process needs to follow published weights (picklable across spawn)."""
 
     tensors: State  # shared-memory buffer, one tensor per parameter
-    meta: torch.Tensor  # shared int64 [latest version]
+    meta: torch.Tensor  # shared int64 [latest version, pid of the reader holding the lock or 0]
     lock: Any  # a multiprocessing lock guarding buffer + meta
+
+
+VERSION, HOLDER = 0, 1  # indices into SharedWeights.meta
+# A lock held this long with no holder recorded: its reader died between acquiring it and
+# recording its pid (or between clearing it and releasing); a live reader records it at once.
+STUCK_S = 2.0
 
 
 class WeightService:
@@ -54,6 +65,7 @@ class WeightService:
         self._version = initial_version
         self._history: OrderedDict[int, State] = OrderedDict()
         self._shared: SharedWeights | None = None
+        self._recover = threading.Lock()  # reader_gone (receiver thread) vs the publishing thread
 
     @property
     def version(self) -> int:
@@ -68,7 +80,7 @@ class WeightService:
         if self._shared is None:
             ctx = ctx or mp.get_context("spawn")
             tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in like.items()}
-            meta = torch.tensor([self._version], dtype=torch.int64).share_memory_()
+            meta = torch.tensor([self._version, 0], dtype=torch.int64).share_memory_()
             self._shared = SharedWeights(tensors=tensors, meta=meta, lock=ctx.Lock())
         return self._shared
 
@@ -108,10 +120,52 @@ class WeightService:
         missing = set(shared.tensors) ^ set(state)
         if missing:
             raise WeightError(f"published weights differ from the shared buffer in: {sorted(missing)[:5]}")
-        with shared.lock, torch.no_grad():
-            for name, buf in shared.tensors.items():
-                buf.copy_(state[name])
-            shared.meta[0] = version
+        self._acquire(shared)
+        try:
+            with torch.no_grad():
+                for name, buf in shared.tensors.items():
+                    buf.copy_(state[name])
+                shared.meta[VERSION] = version
+        finally:
+            shared.lock.release()
+
+    def _acquire(self, shared: SharedWeights) -> None:
+        """Take the buffer's lock; one held with no holder recorded for STUCK_S is released first."""
+        unowned_since: float | None = None
+        while not shared.lock.acquire(timeout=0.1):
+            if int(shared.meta[HOLDER]):  # a live reader copying (a dead one is released by reader_gone)
+                unowned_since = None
+                continue
+            now = time.monotonic()
+            unowned_since = unowned_since or now
+            if now - unowned_since >= STUCK_S:
+                with self._recover:
+                    shared.lock.release()
+                unowned_since = None
+
+    def reader_died(self, pid: int) -> None:
+        """Reader process ``pid`` has died: make sure it does not hold the buffer's lock any more.
+
+        Its lock is released at once when its pid is recorded as the holder; when it died in the
+        instant between taking the lock and recording itself, the lock stays held with no holder:
+        that is released after STUCK_S. Returns once the lock can be taken (blocks up to STUCK_S)."""
+        shared = self._shared
+        if shared is None:
+            return
+        self.reader_gone(pid)
+        self._acquire(shared)
+        shared.lock.release()
+
+    def reader_gone(self, pid: int) -> None:
+        """Reader process ``pid`` has exited (called once, after its death): if it held the buffer's
+        lock, release it on its behalf."""
+        shared = self._shared
+        if shared is None:
+            return
+        with self._recover:
+            if int(shared.meta[HOLDER]) == pid:  # it died while copying: it can never clear this
+                shared.meta[HOLDER] = 0
+                shared.lock.release()
 
     def state(self, version: int) -> State:
         """The kept weights of ``version`` (for rollback or inspection)."""
@@ -144,7 +198,7 @@ class WeightSubscriber:
 
     @property
     def latest_version(self) -> int:
-        return int(self.shared.meta[0])
+        return int(self.shared.meta[VERSION])
 
     def wait_for(self, version: int, timeout: float | None = None, poll: float = 0.002) -> bool:
         """Wait until a version >= ``version`` is available (throttle); False on timeout."""
@@ -165,8 +219,12 @@ class WeightSubscriber:
         if self.latest_version <= self.current_version:
             return None
         with self.shared.lock, torch.no_grad():
-            version = int(self.shared.meta[0])
-            apply(self.shared.tensors, version)
+            self.shared.meta[HOLDER] = os.getpid()  # so the trainer can free the lock if we are killed here
+            try:
+                version = int(self.shared.meta[VERSION])
+                apply(self.shared.tensors, version)
+            finally:
+                self.shared.meta[HOLDER] = 0
         self.current_version = version
         return version
 

@@ -120,11 +120,6 @@ def test_override_after_an_option_is_accepted(capsys, tmp_path):
     assert code == 2 and "pipeline.mode" in lines[0]
 
 
-def test_role_is_reserved(capsys):
-    code, lines = _bad(capsys, ["role", "trainer", "--rank", "0"])
-    assert code == 2 and len(lines) == 1 and "not available yet" in lines[0]
-
-
 def test_bad_input_from_a_subprocess_has_no_traceback():
     proc = _cli("run", "examples/grpo-sync.yaml", "pipeline.steps=0")
     assert proc.returncode == 2

@@ -1,0 +1,422 @@
+"""The trainer role of a platform-managed run: ``python -m runtime role trainer --spec F --workdir D``.
+
+Wiring only (docs/runtime-role.md; the contract is the platform's launcher's):
+the environment names the platform, the run, the attempt and its token; the
+pipeline (``runtime.pipeline.run``) does the work, reporting to a JSONL file
+in the workdir and to the platform's ingest API (``HttpReporter``). Around it
+this module runs
+
+* a heartbeat thread: status and ``Control.status()`` to ``/api/ingest/heartbeat``;
+* the command desk (``runtime.command_desk``): commands riding on any ingest
+  reply become :class:`runtime.control.Directive` s, each command id acted on
+  once (persisted in ``<workdir>/commands.jsonl``), and their results are
+  acknowledged to ``/api/ingest/command_result`` from a thread of their own;
+* before the attempt reports anything, the spools earlier attempts left undelivered
+  are drained with their own tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl, RoleInputError
+from runtime.command_desk import role_log as _log
+from runtime.control import Directive
+from runtime.reporting_http import SPOOL_FILE, HttpReporter, JsonPoster, PostError
+from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
+
+ROLES = ("trainer",)
+COMMANDS_FILE = "commands.jsonl"
+SPOOL_DIR = "spool"
+TOKEN_FILE = "token"
+HEARTBEAT_PATH = "/api/ingest/heartbeat"
+DEFAULT_ROLE = "trainer-0"
+DEFAULT_HEARTBEAT_S = 5.0
+MAX_ROLE_NAME = 100  # the platform's limit on a role name
+DRAIN_S = 60.0  # at most this long for older attempts' spools before the new attempt reports
+ACK_DRAIN_S = 30.0  # at most this long for acknowledgements still owed when the run has ended
+TERM_GRACE_S = 30.0  # after SIGTERM, cleanup gets this long before the process exits regardless
+
+
+# ---------------------------------------------------------------------------------- input
+
+
+@dataclass(frozen=True)
+class RoleArgs:
+    role: str
+    spec: Path
+    workdir: Path
+    resume: str  # auto | never
+
+
+@dataclass(frozen=True)
+class RoleEnv:
+    platform_url: str
+    token: str
+    run_id: str
+    attempt: int
+    role: str
+    host: str
+    heartbeat_s: float
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line naming the argument, not argparse's usage block.
+        raise RoleInputError(message)
+
+
+def parse_args(argv: list[str]) -> RoleArgs:
+    parser = _Parser(prog="python -m runtime role", allow_abbrev=False, description="run one role of a platform run")
+    parser.add_argument("role", help="the role to run: trainer")
+    parser.add_argument("--spec", required=True, help="the run's resolved spec (YAML)")
+    parser.add_argument("--workdir", required=True, help="checkpoints, metrics, spools and commands.jsonl go here")
+    parser.add_argument(
+        "--resume", choices=("auto", "never"), default="auto", help="continue from the newest checkpoint"
+    )
+    ns = parser.parse_args(argv)
+    if ns.role not in ROLES:
+        raise RoleInputError(f"role: {ns.role!r} is not one of {', '.join(ROLES)}")
+    workdir = Path(ns.workdir).resolve()
+    if workdir.exists() and not workdir.is_dir():
+        raise RoleInputError(f"--workdir: {workdir} is not a directory")
+    return RoleArgs(ns.role, Path(ns.spec), workdir, ns.resume)
+
+
+def read_env(environ: Mapping[str, str]) -> RoleEnv:
+    """The role's settings from ``TANDEM_*`` variables (the token never travels on the command line)."""
+
+    def required(name: str) -> str:
+        value = environ.get(name, "").strip()
+        if not value:
+            raise RoleInputError(f"{name}: required")
+        return value
+
+    url = required("TANDEM_PLATFORM_URL")
+    try:
+        check_http_url(url)
+    except ValueError as exc:
+        raise RoleInputError(f"TANDEM_PLATFORM_URL: {exc}") from None
+    token = required("TANDEM_RUN_TOKEN")
+    run_id = required("TANDEM_RUN_ID")
+    attempt_text = required("TANDEM_ATTEMPT")
+    try:
+        attempt = int(attempt_text)
+    except ValueError:
+        attempt = -1
+    if attempt < 0:
+        raise RoleInputError(f"TANDEM_ATTEMPT: must be an integer >= 0, got {attempt_text!r}")
+    role = environ.get("TANDEM_ROLE", "").strip() or DEFAULT_ROLE
+    if len(role) > MAX_ROLE_NAME:
+        raise RoleInputError(f"TANDEM_ROLE: at most {MAX_ROLE_NAME} characters")
+    host = environ.get("TANDEM_HOST_NAME", "").strip() or socket.gethostname()
+    period_text = environ.get("TANDEM_HEARTBEAT_S", "").strip()
+    try:
+        period = float(period_text) if period_text else DEFAULT_HEARTBEAT_S
+    except ValueError:
+        period = -1.0
+    if not (math.isfinite(period) and period > 0):
+        raise RoleInputError(f"TANDEM_HEARTBEAT_S: must be a number of seconds > 0, got {period_text!r}")
+    return RoleEnv(url.rstrip("/"), token, run_id, attempt, role, host, period)
+
+
+def load_role_spec(path: Path, workdir: Path) -> RunSpec:
+    """The run's spec with ``output_dir`` = the workdir and no progress bar (the role's output is a log)."""
+    if not path.is_file():
+        raise RoleInputError(f"--spec: no such file: {path}")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RoleInputError(f"--spec: cannot read {path}: {exc}") from None
+    data = parse_spec_text(text)
+    data["output_dir"] = str(workdir).replace("{", "{{").replace("}", "}}")  # output_dir is a format string
+    metrics = data.setdefault("metrics", {})
+    if isinstance(metrics, dict):  # anything else is refused by validation, naming `metrics`
+        metrics["progress_bar"] = False
+    return validate_spec(data)
+
+
+def find_resume(workdir: Path) -> Path | None:
+    """The newest checkpoint under ``<workdir>/checkpoints`` that verifies (an older one if it is damaged)."""
+    from runtime.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
+    from runtime.pipeline import CHECKPOINT_DIR
+
+    for info in reversed(CheckpointManager(workdir / CHECKPOINT_DIR).list()):
+        try:
+            verify_checkpoint(info.path)
+        except CheckpointError as exc:
+            _log(f"skipping a damaged checkpoint: {exc}")
+            continue
+        return info.path
+    return None
+
+
+# ---------------------------------------------------------------------------------- heartbeat
+
+
+class Heartbeat:
+    """``POST /api/ingest/heartbeat`` every ``period_s`` from a thread, and at once for every status change
+    (in order, so the platform sees a pause even when it lasts less than a period). A failed heartbeat is
+    retried next period."""
+
+    def __init__(
+        self,
+        poster: JsonPoster,
+        period_s: float,
+        body: Callable[[str | None], dict[str, Any]],
+        on_reply: Callable[[dict[str, Any]], None],
+    ):
+        self._poster = poster
+        self.period_s = period_s
+        self._body = body  # body(status): that status, or the current one when None
+        self._on_reply = on_reply
+        self._lock = threading.Lock()
+        self._changes: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="role-heartbeat", daemon=True)
+        self._last_error: str | None = None
+
+    def beat(self, status: str | None = None) -> bool:
+        """One heartbeat (``status``, or the current one); False when it failed. Never raises."""
+        try:
+            reply = self._poster.post(HEARTBEAT_PATH, self._body(status))
+            if isinstance(reply, dict):
+                self._on_reply(reply)
+        except Exception as exc:  # PostError, or anything else: a heartbeat is never fatal
+            error = f"{exc}" if isinstance(exc, PostError) else f"{type(exc).__name__}: {exc}"
+            if error != self._last_error:  # log changes, not every period of an outage
+                _log(f"heartbeat failed (retried every {self.period_s:g} s): {error}")
+                self._last_error = error
+            return False
+        if self._last_error is not None:
+            _log("heartbeat delivered again")
+            self._last_error = None
+        return True
+
+    def changed(self, status: str) -> None:
+        with self._lock:
+            self._changes.append(status)
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, then send the status changes it had not sent yet."""
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._send_changes()
+
+    def _send_changes(self) -> bool:
+        with self._lock:
+            changes = list(self._changes)
+            self._changes.clear()
+        for status in changes:
+            self.beat(status)
+        return bool(changes)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+            if self._stopped:
+                return
+            if not self._send_changes():
+                self.beat()
+
+
+# ---------------------------------------------------------------------------------- spools
+
+
+def spool_dir(workdir: Path, attempt: int) -> Path:
+    return workdir / SPOOL_DIR / f"attempt-{attempt}"
+
+
+def save_token(directory: Path, token: str) -> None:
+    """``<spool>/token``, mode 0600: a later attempt drains this spool with the token it was written for."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT
+        fh.write(token)
+
+
+def drain_older_spools(env: RoleEnv, workdir: Path, on_reply: Callable[[dict[str, Any]], None]) -> None:
+    """Deliver what earlier attempts left in their spools, each with its own token, for at most ``DRAIN_S``."""
+    deadline = time.monotonic() + DRAIN_S
+    older = []
+    for path in (workdir / SPOOL_DIR).glob("attempt-*"):
+        match = re.fullmatch(r"attempt-(\d+)", path.name)
+        if match and int(match.group(1)) < env.attempt and (path / SPOOL_FILE).is_file():
+            older.append((int(match.group(1)), path))
+    for attempt, path in sorted(older):
+        token_file = path / TOKEN_FILE
+        if not token_file.is_file():
+            _log(f"{path}: no token file; its undelivered records stay there")
+            continue
+        reporter = HttpReporter(
+            env.platform_url,
+            token_file.read_text().strip(),
+            path,
+            run=env.run_id,
+            attempt=attempt,
+            role=env.role,
+            min_interval_s=0.0,
+            backoff_max_s=2.0,
+            on_reply=on_reply,
+        )
+        left = reporter.pending()
+        while reporter.pending() and time.monotonic() < deadline:
+            if reporter.flush(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+                break
+            if (reporter.last_error or "").startswith(("HTTP 401", "HTTP 403")):
+                break  # that token no longer writes: waiting cannot help
+        if left:
+            _log(f"attempt {attempt}: delivered {left - reporter.pending()} of {left} spooled record(s)")
+        reporter.close(timeout=0.0)
+
+
+# ---------------------------------------------------------------------------------- the role
+
+
+class TrainerRole:
+    """One attempt of the trainer: the pipeline with heartbeats, commands and reporting to the platform."""
+
+    def __init__(self, spec: RunSpec, env: RoleEnv, workdir: Path, resume: Path | None):
+        self.spec, self.env, self.workdir, self.resume = spec, env, workdir, resume
+        self.poster = JsonPoster(env.platform_url, env.token)
+        self.http: HttpReporter | None = None
+        self.final_status: str | None = None
+        self.terminating = False
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = CommandLog(workdir / COMMANDS_FILE)
+        self.acks = Acknowledger(self.poster, self._on_reply, self._flush)
+        self.control = RoleControl(self._finished, self._status_changed)
+        self.desk = CommandDesk(self.control, self.log, self.acks)
+        self.heartbeat = Heartbeat(self.poster, env.heartbeat_s, self._heartbeat_body, self._on_reply)
+
+    # callbacks, bound late: the objects refer to each other
+    def _on_reply(self, reply: dict[str, Any]) -> None:
+        self.desk.receive(reply)
+
+    def _finished(self, directive: Directive, ok: bool, message: str) -> None:
+        self.desk.finished(directive, ok, message)
+
+    def _status_changed(self, status: str) -> None:
+        self.heartbeat.changed(status)
+
+    def _flush(self, timeout: float) -> bool:
+        return self.http is None or self.http.flush(timeout)
+
+    def _heartbeat_body(self, state: str | None) -> dict[str, Any]:
+        status = self.control.status()
+        if state is not None:
+            pass  # a status change of the pipeline, reported as it happened
+        elif self.final_status is not None:
+            state = self.final_status
+        elif self.terminating or self.desk.stopping:
+            state = "stopping"
+        else:
+            state = str(status.get("status", "starting"))
+        info = {
+            "host": self.env.host,
+            "pid": os.getpid(),
+            "step": status.get("step"),
+            "weight_version": status.get("weight_version"),
+            "rollout_pids": [int(p) for p in status.get("rollout_pids") or []],
+            "rollout_restarts": int(status.get("rollout_restarts") or 0),
+        }
+        return {
+            "run": self.env.run_id,
+            "attempt": self.env.attempt,
+            "role": self.env.role,
+            "status": state,
+            "info": info,
+        }
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.terminating:
+            os._exit(128 + signum)
+        self.terminating = True
+        # Cleanup (rollout processes, reporter) runs in finally blocks; it must not keep the process alive.
+        timer = threading.Timer(TERM_GRACE_S, os._exit, args=(128 + signum,))
+        timer.daemon = True
+        timer.start()
+        raise SystemExit(128 + signum)
+
+    def run(self) -> dict[str, Any]:
+        from runtime import metrics as M
+        from runtime.checkpoint import load_checkpoint
+        from runtime.pipeline import run
+
+        main_thread = threading.current_thread() is threading.main_thread()  # signals go to the main thread only
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+        reporters = None
+        steps: int | None = None
+        outcome = "completed"
+        try:
+            drain_older_spools(self.env, self.workdir, self._on_reply)
+            spool = spool_dir(self.workdir, self.env.attempt)
+            save_token(spool, self.env.token)
+            cursor = None
+            if self.resume is not None:  # cut metrics.jsonl back to the checkpoint, as `run --resume` does
+                cursor = load_checkpoint(self.resume, keys=["pipeline"])["pipeline"].get("metrics_cursor")
+            reporters = M.build_reporters(
+                self.spec.metrics, self.workdir, self.spec.pipeline.steps, jsonl_cursor=cursor
+            )
+            self.http = HttpReporter(
+                self.env.platform_url,
+                self.env.token,
+                spool,
+                run=self.env.run_id,
+                attempt=self.env.attempt,
+                role=self.env.role,
+                on_reply=self._on_reply,
+            )
+            reporters.reporters.append(self.http)
+            # The first heartbeat before any work: commands already pending reach the pipeline's first boundary.
+            self.heartbeat.beat()
+            self.heartbeat.start()
+            result = run(self.spec, resume=self.resume, reporters=reporters, control=self.control)
+            steps = int(result["steps"])
+            # "outcome" arrives with the controllable pipeline; a pipeline without it only runs to completion.
+            outcome = str(result.get("outcome", "completed"))
+            self.final_status = "finished"
+        except BaseException:
+            self.final_status = "stopping" if self.terminating else "failed"
+            raise
+        finally:
+            self.heartbeat.stop()
+            if reporters is not None:
+                reporters.close()  # run() closes them too; closing twice is harmless
+            over = steps is not None and outcome != "preempted"  # a preempted run is requeued: another attempt follows
+            self.desk.end(f"the run ended ({outcome}) at step {steps} before applying this command" if over else None)
+            self.heartbeat.beat()  # the final status
+            owed = self.acks.close(5.0 if self.terminating else ACK_DRAIN_S)
+            if owed:
+                _log(f"command result(s) {owed} not acknowledged; the platform redelivers them to the next attempt")
+            self.log.close()
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+        return {"outcome": outcome, "steps": steps, "checkpoint": result["checkpoint"]}
+
+
+def run_trainer(spec: RunSpec, env: RoleEnv, workdir: Path, resume: Path | None) -> dict[str, Any]:
+    """Run the trainer role; returns ``{"outcome", "steps", "checkpoint"}``."""
+    return TrainerRole(spec, env, workdir, resume).run()
