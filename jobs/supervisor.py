@@ -33,6 +33,7 @@ restarted worker adopts the roles its predecessor started:
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -50,7 +51,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from jobs import checkpoints, launch
+from jobs import checkpoints, commands, launch
 from jobs.ingest.tokens import mint_run_token
 from jobs.models import RoleHeartbeat, Run, RunRole
 from jobs.models import RoleState as R
@@ -104,8 +105,12 @@ def process_alive(pid: int | None, marker: str) -> bool:
 
 
 def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
-    spec = dict(run.resolved_spec)
+    spec = copy.deepcopy(run.resolved_spec)
     spec["output_dir"] = role.workdir
+    # Live parameter changes survive a restart: the new attempt starts with the values in force.
+    for dotted, value in commands.effective_params(run).items():
+        section, _, name = dotted.partition(".")
+        spec.setdefault(section, {})[name] = value
     fork_from = checkpoints.checkpoint_dir_for_path(run.parent_checkpoint) if run.parent_checkpoint else None
     if fork_from is not None and not (Path(role.workdir) / "checkpoints").exists():
         # A fork starts from the parent checkpoint's policy (its HF export), under its own (edited) spec.

@@ -17,6 +17,7 @@ import datetime
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from django.db import connection, transaction
@@ -289,6 +290,7 @@ def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
             )
             new_events = [e for e in batch.events if e["seq"] not in seen]
             _rewind_earlier_attempts(token, new_events)
+            _follow_set_aside_checkpoints(token, new_events)
             RunEvent.objects.bulk_create(
                 [
                     RunEvent(
@@ -450,6 +452,20 @@ def _mark_running(run_id: int) -> None:
             transition(run, RunState.RUNNING)
         except IllegalTransition:
             pass  # moved meanwhile (cancelled): that state stands
+
+
+def _follow_set_aside_checkpoints(token: RunToken, events: list[dict[str, Any]]) -> None:
+    """A rollback moves the abandoned timeline's checkpoints to ``checkpoints/rewound/<n>-to-<step>/``
+    (payload ``set_aside``: the new paths): their records follow, so browsing and downloads still work."""
+    for event in events:
+        moved = event["payload"].get("set_aside") if event["kind"] == "rollback" else None
+        if not isinstance(moved, list):
+            continue
+        for new_path in moved:
+            if not isinstance(new_path, str) or not new_path or len(new_path) > 500 or _has_nul(new_path):
+                continue
+            old_path = str(PurePosixPath(new_path).parents[2] / PurePosixPath(new_path).name)
+            CheckpointRecord.objects.filter(run_id=token.run_id, path=old_path).update(path=new_path)
 
 
 def _rewind_earlier_attempts(token: RunToken, events: list[dict[str, Any]]) -> None:

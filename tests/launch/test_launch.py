@@ -265,3 +265,22 @@ def test_a_run_kept_off_its_only_host_waits_without_holding_the_queue(make_group
     )
     later, _ = handler.submit_run(owner, experiment, "name: b\n")
     assert later.state == RunState.ADMITTED  # not held back behind the run kept off the host
+
+
+def test_checkpoint_records_follow_the_checkpoints_a_rollback_set_aside(run):
+    from jobs.ingest import handler as ingest
+    from jobs.ingest.tokens import authenticate_run_token, mint_run_token
+    from jobs.models import CheckpointRecord
+
+    root = "/data/run-1/checkpoints"
+    for step in (2, 4, 6):
+        CheckpointRecord.objects.create(run=run, step=step, path=f"{root}/step-{step:08d}")
+    token = authenticate_run_token(mint_run_token(run, 0))
+    aside = [f"{root}/rewound/001-to-step-00000002/step-{step:08d}" for step in (4, 6)]
+    event = {"seq": 1, "kind": "rollback", "payload": {"step": 2, "path": f"{root}/step-00000002", "set_aside": aside}}
+    ingest.ingest_batch(token, {"events": [event]})
+    assert sorted(CheckpointRecord.objects.filter(run=run).values_list("step", "path")) == [
+        (2, f"{root}/step-00000002"),
+        (4, aside[0]),
+        (6, aside[1]),
+    ]

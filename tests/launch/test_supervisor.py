@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs import handler, launch, supervisor
+from jobs import commands, handler, launch, supervisor
 from jobs.models import RoleState as R
 from jobs.states import RunState
 
@@ -99,11 +99,12 @@ def _exited(role) -> bool:
     return (launch.role_dir(role) / "exit_code").exists()
 
 
-def test_start_claims_once_and_gives_the_role_its_environment_and_spec(stand_in, admitted_role, monkeypatch):
+def test_start_claims_once_and_gives_the_role_its_environment_and_spec(stand_in, admitted_role, monkeypatch, owner):
     monkeypatch.setenv("DATABASE_URL", "postgres://secret@db/x")
     monkeypatch.setenv("SECRET_KEY", "do-not-leak")
     stand_in(PRINT_ENV, *ENV_NAMES)
     run, role = admitted_role
+    commands.create(owner, run, "set_params", {"params": {"trainer.lr": 3e-4}})
     assert supervisor.start_role(role.pk, 0) == "started"
     assert supervisor.start_role(role.pk, 0) == "not-claimed"  # a redelivered task starts nothing
     role.refresh_from_db()
@@ -117,6 +118,7 @@ def test_start_claims_once_and_gives_the_role_its_environment_and_spec(stand_in,
     assert env["DATABASE_URL"] is None and env["SECRET_KEY"] is None  # the platform's secrets stay home
     spec = yaml.safe_load((Path(role.workdir) / "spec.yaml").read_text())
     assert spec["output_dir"] == role.workdir and spec["name"] == run.resolved_spec["name"]
+    assert spec["trainer"]["lr"] == 3e-4  # the live change made before the start is in force
 
     assert _host_supervisor(role).pass_once()["exited"] == 1
     run.refresh_from_db()
