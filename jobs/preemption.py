@@ -10,14 +10,15 @@ free ones, let the waiting run be placed on one host, and sends each a
 moves the victim PREEMPTED -> QUEUED, admission gives the devices to the waiting
 run, and the victim resumes from its checkpoint when devices free up again.
 
-A victim with a preempt command still pending or delivered is not asked twice;
+A victim already asked since its admission (its command pending, or done while
+its process exits) is not asked twice;
 nothing is sent when even all candidates together would not make room.
 """
 
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Exists, F, OuterRef
 from django.db.models.functions import Coalesce, Least
 
 from jobs import admission, commands, launch, placement
@@ -47,14 +48,15 @@ def preempt_for_waiting(group_id: int) -> list[int]:
         if waiting is None or not waiting[3].startswith(NO_FREE_DEVICES):
             return []
         waiting_id, priority, need, _reason = waiting
-        in_progress = Command.objects.filter(
-            kind=CommandKind.PREEMPT, state__in=[CommandState.PENDING, CommandState.DELIVERED]
-        ).values("run_id")
+        # Asked already during this admission (pending, or done while the process is still exiting): not again.
+        asked = Command.objects.filter(
+            run=OuterRef("pk"), kind=CommandKind.PREEMPT, created_at__gte=OuterRef("admitted_at")
+        ).exclude(state=CommandState.FAILED)
         candidates = [
             run
             for run in _effective_priority(
                 Run.objects.filter(experiment__group_id=group_id, state__in=[RunState.RUNNING, RunState.PAUSED])
-                .exclude(pk__in=in_progress)
+                .exclude(Exists(asked))
                 .select_related("experiment")
             ).order_by("effective_priority", F("started_at").desc(nulls_last=True), "-pk")
             if run.effective_priority < priority and run.resolved_spec.get("resources", {}).get("preemptible")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from jobs import handler, launch, preemption
+from jobs import commands, handler, launch, preemption
 from jobs.models import Command, RunRole
 from jobs.models import RoleState as R
 from jobs.states import RunState
@@ -46,6 +46,9 @@ def test_a_waiting_high_priority_run_preempts_and_then_gets_the_devices(
         ("preempt", "pending", None)
     ]
     assert preemption.preempt_for_waiting(group.pk) == []  # asked once, not again while it checkpoints
+    command = Command.objects.get(run=victim)
+    commands.complete(victim.pk, command.pk, "done", "checkpoint at step 7")
+    assert preemption.preempt_for_waiting(group.pk) == []  # nor while its process exits after the ack
 
     role = RunRole.objects.get(run=victim)
     decision = launch.role_exited(role.pk, role.attempt, 0, '{"outcome": "preempted", "steps": 7}\n')

@@ -248,3 +248,38 @@ def test_metrics_survive_the_web_server_going_away_during_a_run(platform, cluste
     assert run.state == RunState.COMPLETED, run.reason
     wait_for(lambda: len(_live_steps(run)) == 20, "every metric point", 60, platform.logs)
     assert _live_steps(run) == list(range(1, 21))
+
+
+def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_later(platform, cluster):
+    from jobs.models import Experiment
+    from rlplatform.models import Quota
+
+    urgent_quota = Quota.objects.create(
+        team=cluster["team"], group=cluster["group"], name="urgent", max_devices=2, max_concurrent_runs=1, priority=10
+    )
+    Experiment.objects.create(team=cluster["team"], name="urgent", group=cluster["group"], quota=urgent_quota)
+    two_devices = {"rollout_devices": 1}
+    low = _submit(platform, cluster, spec_text("low", steps=40, resources={**two_devices, "preemptible": True}))
+    _wait_state(platform, low, RunState.RUNNING)
+    wait_for(lambda: CheckpointRecord.objects.filter(run=low).exists(), "a checkpoint", RUN_S, platform.logs)
+    # Paused, so the preemption finds it mid-run however fast this machine is.
+    assert _command(platform, cluster, low, "pause").state == "done"
+    created, body = _api(platform, cluster).submit("urgent", spec_text("high", steps=4, resources=two_devices))
+    high = Run.objects.get(pk=body["id"])
+
+    _wait_state(platform, high, RunState.COMPLETED, RunState.FAILED)
+    assert high.state == RunState.COMPLETED, high.reason
+    preempt = Command.objects.get(run=low, kind="preempt")
+    assert preempt.state == "done" and preempt.created_by is None
+    _wait_state(platform, low, RunState.COMPLETED, RunState.FAILED)
+    assert low.state == RunState.COMPLETED, low.reason
+    states = [
+        e["state"]
+        for e in RunStreamEntry.objects.filter(run=low, type="state").order_by("seq").values_list("data", flat=True)
+    ]
+    assert "PREEMPTED" in states and states.index("PREEMPTED") < len(states) - 1
+    role = _trainer(low)
+    assert (role.attempt, role.restarts) == (1, 0)  # a preemption is not a failure
+    resumed = RunEvent.objects.get(run=low, attempt=1, kind="resume")
+    assert CheckpointRecord.objects.filter(run=low, attempt=0, step=resumed.payload["step"]).exists()
+    assert _live_steps(low) == list(range(1, 41))
