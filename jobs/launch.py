@@ -218,6 +218,21 @@ def _move(run: Run, target: RunState, reason: str = "") -> None:
         pass  # someone moved it first (a cancel, a stop command's ack): their state stands
 
 
+def _lock_live_attempt(role_id: int, attempt: int) -> RunRole | None:
+    """Inside a transaction: the group lock, then the role row if ``attempt`` is its live one (not exited)."""
+    group_id = Experiment.objects.filter(runs__roles__pk=role_id).values_list("group_id", flat=True).first()
+    if group_id is None:
+        return None
+    locks.lock_group(group_id)
+    return (
+        RunRole.objects.select_for_update()
+        .select_related("run", "host")
+        .filter(pk=role_id, attempt=attempt)
+        .exclude(state=R.EXITED)
+        .first()
+    )
+
+
 def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str = "", why: str = "") -> str:
     """Record that the role's ``attempt`` ended, and decide what happens to its run; idempotent.
 
@@ -226,18 +241,8 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
     ``ignored`` (already handled), ``ended`` (the run was no longer active), ``completed``,
     ``preempted``, ``cancelled``, ``failed`` or ``restarting``.
     """
-    group_id = Experiment.objects.filter(runs__roles__pk=role_id).values_list("group_id", flat=True).first()
-    if group_id is None:
-        return "ignored"
     with transaction.atomic():
-        locks.lock_group(group_id)
-        role = (
-            RunRole.objects.select_for_update()
-            .select_related("run", "host")
-            .filter(pk=role_id, attempt=attempt)
-            .exclude(state=R.EXITED)
-            .first()
-        )
+        role = _lock_live_attempt(role_id, attempt)
         if role is None:
             return "ignored"
         run = role.run
@@ -320,18 +325,8 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
 def host_lost(role_id: int, attempt: int, host_name: str) -> str:
     """The role's host is gone: the attempt is over, and the run goes back to the queue to resume from its
     last checkpoint on other devices (counted against ``max_restarts``); returns the decision."""
-    group_id = Experiment.objects.filter(runs__roles__pk=role_id).values_list("group_id", flat=True).first()
-    if group_id is None:
-        return "ignored"
     with transaction.atomic():
-        locks.lock_group(group_id)
-        role = (
-            RunRole.objects.select_for_update()
-            .select_related("run", "host")
-            .filter(pk=role_id, attempt=attempt)
-            .exclude(state=R.EXITED)
-            .first()
-        )
+        role = _lock_live_attempt(role_id, attempt)
         if role is None:
             return "ignored"
         run = role.run

@@ -1,6 +1,12 @@
-"""Helpers of the ingest tests: post a body, build a reporter batch, read what was stored."""
+"""Helpers of the ingest tests: post a body, build a reporter batch, read what was stored, and a
+forwarding proxy that can lose requests and replies."""
 
 from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def post(client, endpoint: str, body):
@@ -27,3 +33,65 @@ def stored(run, attempt=0, *, rewound=False) -> dict[int, dict]:
 
     rows = MetricPoint.objects.filter(run=run, attempt=attempt, rewound=rewound).order_by("step")
     return {row.step: row.metrics for row in rows}
+
+
+class Proxy:
+    """Forwards POSTs to ``target``, a stand-in for the network between a role and the platform.
+
+    Modes: ``ok``; ``down`` (503, not forwarded); ``lose_replies`` (forwarded, then 502 to the caller).
+    Paths in ``lose`` get a 503 and are not forwarded whatever the mode (counted in ``lost``);
+    ``forwarded`` counts the requests that reached the platform, ``refused`` those ``down`` turned away."""
+
+    def __init__(self, target: str):
+        self.mode = "ok"
+        self.forwarded = 0
+        self.refused = 0
+        self.lose: set[str] = set()
+        self.lost = 0
+        proxy = self
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.path in proxy.lose:
+                    proxy.lost += 1
+                    return self._answer(503, b'{"detail": "lost"}')
+                if proxy.mode == "down":
+                    proxy.refused += 1
+                    return self._answer(503, b'{"detail": "down"}')
+                request = urllib.request.Request(
+                    target + self.path,
+                    data=body,
+                    method="POST",
+                    headers={"Content-Type": "application/json", "Authorization": self.headers["Authorization"]},
+                )
+                try:
+                    with opener.open(request, timeout=30) as resp:
+                        code, data = resp.status, resp.read()
+                except urllib.error.HTTPError as exc:
+                    code, data = exc.code, exc.read()
+                proxy.forwarded += 1
+                if proxy.mode == "lose_replies":
+                    return self._answer(502, b'{"detail": "reply lost"}')
+                self._answer(code, data)
+
+            def _answer(self, code, data):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()

@@ -8,9 +8,6 @@ reporter sees a 502 and resends): every point must still arrive exactly once.
 from __future__ import annotations
 
 import threading
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -18,60 +15,7 @@ from jobs import commands
 from jobs.ingest.tokens import mint_run_token
 from jobs.models import MetricPoint, RunEvent
 from runtime.reporting_http import HttpReporter
-
-
-class Proxy:
-    """Forwards POSTs to ``target``. Modes: ``ok``; ``down`` (503, not forwarded); ``lose_replies``
-    (forwarded, then 502 to the caller); ``forwarded`` counts the requests that reached the platform."""
-
-    def __init__(self, target: str):
-        self.mode = "ok"
-        self.forwarded = 0
-        self.refused = 0
-        proxy = self
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if proxy.mode == "down":
-                    proxy.refused += 1
-                    return self._answer(503, b'{"detail": "down"}')
-                request = urllib.request.Request(
-                    target + self.path,
-                    data=body,
-                    method="POST",
-                    headers={"Content-Type": "application/json", "Authorization": self.headers["Authorization"]},
-                )
-                try:
-                    with opener.open(request, timeout=30) as resp:
-                        code, data = resp.status, resp.read()
-                except urllib.error.HTTPError as exc:
-                    code, data = exc.code, exc.read()
-                proxy.forwarded += 1
-                if proxy.mode == "lose_replies":
-                    return self._answer(502, b'{"detail": "reply lost"}')
-                self._answer(code, data)
-
-            def _answer(self, code, data):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+from tests.ingest.helpers import Proxy
 
 
 @pytest.fixture

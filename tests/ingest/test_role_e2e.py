@@ -13,11 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,6 +26,7 @@ from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleCont
 from runtime.metrics import read_jsonl
 from runtime.reporting_http import HttpReporter, JsonPoster
 from runtime.role import HEARTBEAT_PATH
+from tests.ingest.helpers import Proxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -61,55 +58,6 @@ checkpoint:
 resources:
   threads_per_process: 1
 """
-
-
-class Proxy:
-    """Forwards POSTs to ``target``; paths in ``lose`` get a 503 and are not forwarded (counted in ``lost``)."""
-
-    def __init__(self, target: str):
-        self.lose: set[str] = set()
-        self.lost = 0
-        proxy = self
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.path in proxy.lose:
-                    proxy.lost += 1
-                    return self._answer(503, b'{"detail": "lost"}')
-                request = urllib.request.Request(
-                    target + self.path,
-                    data=body,
-                    method="POST",
-                    headers={"Content-Type": "application/json", "Authorization": self.headers["Authorization"]},
-                )
-                try:
-                    with opener.open(request, timeout=30) as resp:
-                        code, data = resp.status, resp.read()
-                except urllib.error.HTTPError as exc:
-                    code, data = exc.code, exc.read()
-                self._answer(code, data)
-
-            def _answer(self, code, data):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
 
 
 @pytest.fixture

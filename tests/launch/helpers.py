@@ -1,4 +1,4 @@
-"""Helpers of the run end-to-end tests."""
+"""Helpers of the launch tests."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def wait_for(condition, what: str, timeout: float, logs: list[Path] = ()):
+def wait_for(condition, what: str, timeout: float = 20.0, logs: list[Path] = ()):
     """Poll ``condition`` until it returns something truthy; fail with the logs' tails otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(0.2)
+        time.sleep(0.05)
     tails = "\n".join(f"--- {p}:\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
     pytest.fail(f"timed out after {timeout:g} s waiting for {what}\n{tails}")

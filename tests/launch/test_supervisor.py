@@ -21,6 +21,7 @@ import yaml
 from jobs import commands, handler, launch, supervisor
 from jobs.models import RoleState as R
 from jobs.states import RunState
+from tests.launch.helpers import wait_for
 
 ROLEWRAP = Path(supervisor.__file__).with_name("rolewrap.py")
 PRINT_ENV = (
@@ -31,30 +32,20 @@ PRINT_ENV = (
 ENV_NAMES = ["TANDEM_RUN_TOKEN", "TANDEM_RUN_ID", "TANDEM_ATTEMPT", "TANDEM_ROLE", "DATABASE_URL", "SECRET_KEY"]
 
 
-def _wait(condition, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
-
-
 def test_rolewrap_records_pid_log_and_exit_status(tmp_path):
     role_dir = tmp_path / "r"
     subprocess.run([sys.executable, ROLEWRAP, role_dir, "--", sys.executable, "-c", "print('hi'); exit(3)"], check=True)
-    assert _wait(lambda: (role_dir / "exit_code").exists(), "exit_code")
+    assert wait_for(lambda: (role_dir / "exit_code").exists(), "exit_code")
     assert (role_dir / "exit_code").read_text() == "3\n"
     assert (role_dir / "log").read_text() == "hi\n"
     assert int((role_dir / "pid").read_text()) > 1
 
     killed = tmp_path / "k"
     subprocess.run([sys.executable, ROLEWRAP, killed, "--", "sleep", "30"], check=True)
-    pid = _wait(lambda: (killed / "pid").exists() and int((killed / "pid").read_text()), "pid")
-    child = _wait(lambda: _children(pid), "the child")
+    pid = wait_for(lambda: (killed / "pid").exists() and int((killed / "pid").read_text()), "pid")
+    child = wait_for(lambda: _children(pid), "the child")
     os.kill(child[0], signal.SIGKILL)
-    assert _wait(lambda: (killed / "exit_code").exists(), "exit_code")
+    assert wait_for(lambda: (killed / "exit_code").exists(), "exit_code")
     assert (killed / "exit_code").read_text() == "137\n"  # 128 + SIGKILL, as a shell reports it
 
 
@@ -111,7 +102,7 @@ def test_start_claims_once_and_gives_the_role_its_environment_and_spec(stand_in,
     run.refresh_from_db()
     assert role.state == R.RUNNING and role.pid and role.claimed_by == supervisor.worker_id()
     assert run.state == RunState.STARTING
-    _wait(lambda: _exited(role), "the stand-in to exit")
+    wait_for(lambda: _exited(role), "the stand-in to exit")
     env = json.loads((launch.role_dir(role) / "log").read_text().splitlines()[0])
     assert env["TANDEM_RUN_TOKEN"].startswith("tdr_")
     assert (env["TANDEM_RUN_ID"], env["TANDEM_ATTEMPT"], env["TANDEM_ROLE"]) == (str(run.pk), "0", "trainer-0")
@@ -133,9 +124,9 @@ def test_a_killed_trainer_is_restarted_as_a_new_attempt(stand_in, admitted_role,
     role.refresh_from_db()
     sup = _host_supervisor(role)
     assert sup.pass_once()["renewed"] == 1
-    child = _wait(lambda: _children(role.pid), "the role process")
+    child = wait_for(lambda: _children(role.pid), "the role process")
     os.kill(child[0], signal.SIGKILL)
-    _wait(lambda: _exited(role), "the exit status")
+    wait_for(lambda: _exited(role), "the exit status")
     with django_capture_on_commit_callbacks(execute=False):
         assert sup.pass_once()["exited"] == 1
     role.refresh_from_db()
@@ -151,7 +142,7 @@ def test_the_processes_of_a_cancelled_run_are_stopped(stand_in, admitted_role):
     sup = _host_supervisor(role)
     handler.cancel_run(None, run)
     assert sup.pass_once()["killed"] == 1  # SIGTERM to the role's process group
-    _wait(lambda: not supervisor.process_alive(role.pid, str(launch.role_dir(role))), "the process group to end")
+    wait_for(lambda: not supervisor.process_alive(role.pid, str(launch.role_dir(role))), "the process group to end")
     sup.pass_once()
     role.refresh_from_db()
     run.refresh_from_db()
@@ -172,7 +163,7 @@ def test_a_live_process_that_stopped_heartbeating_is_killed_as_hung(stand_in, ad
     role.refresh_from_db()
     assert (role.state, role.attempt) == (R.PENDING, 1)
     assert role.message == "restarting after: hung: no heartbeat for 1 s"
-    _wait(lambda: not supervisor.process_alive(hung_pid, hung_dir), "the hung process to die")
+    wait_for(lambda: not supervisor.process_alive(hung_pid, hung_dir), "the hung process to die")
 
 
 def test_a_vanished_process_is_reported_without_an_exit_code(stand_in, admitted_role):
@@ -181,7 +172,7 @@ def test_a_vanished_process_is_reported_without_an_exit_code(stand_in, admitted_
     supervisor.start_role(role.pk, 0)
     role.refresh_from_db()
     os.killpg(role.pid, signal.SIGKILL)  # wrapper and role together: nobody writes exit_code
-    _wait(lambda: not supervisor.process_alive(role.pid, str(launch.role_dir(role))), "the group to die")
+    wait_for(lambda: not supervisor.process_alive(role.pid, str(launch.role_dir(role))), "the group to die")
     assert _host_supervisor(role).pass_once()["exited"] == 1
     role.refresh_from_db()
     assert role.message == "restarting after: the process vanished"
