@@ -8,20 +8,7 @@ import torch
 from runtime.checkpoint import load_checkpoint
 from runtime.metrics import read_jsonl
 from runtime.pipeline import CHECKPOINT_DIR, RESOLVED_SPEC, run
-from runtime.spec import load_spec
-
-BASE = {
-    "seed": 3,
-    "model": {"builtin": "tiny-qwen2"},
-    "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
-    # the entropy bonus guarantees a gradient even when every reward of a random model is 0
-    "algorithm": {"name": "grpo", "group_size": 4, "entropy_coef": 0.01},
-    "trainer": {"lr": 1e-3},
-    "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
-    "pipeline": {"prompts_per_step": 4, "eval_interval": 0},
-    "resources": {"threads_per_process": 1},
-    "metrics": {"progress_bar": False},
-}
+from tests.runtime.helpers import tiny_spec
 
 
 @pytest.fixture(autouse=True)
@@ -30,13 +17,7 @@ def _one_thread():
 
 
 def _spec(tmp_path, name, **over):
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
-    data["name"] = name
-    data["output_dir"] = str(tmp_path / name)
-    for dotted, value in over.items():
-        section, field = dotted.split("__")
-        data.setdefault(section, {})[field] = value
-    return load_spec(data)
+    return tiny_spec(tmp_path, name, **over)
 
 
 def _policy(result):

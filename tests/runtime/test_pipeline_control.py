@@ -18,20 +18,9 @@ from runtime import metrics as M
 from runtime.checkpoint import load_checkpoint
 from runtime.control import Control, Directive
 from runtime.pipeline import CHECKPOINT_DIR, REWOUND_DIR, run
-from runtime.spec import load_spec
+from tests.runtime.helpers import derived, tiny_spec
 
-BASE = {
-    "seed": 3,
-    "model": {"builtin": "tiny-qwen2"},
-    "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
-    "algorithm": {"name": "grpo", "group_size": 4, "entropy_coef": 0.01},
-    "trainer": {"lr": 1e-3},
-    "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
-    "pipeline": {"mode": "sync", "prompts_per_step": 4, "eval_interval": 0, "steps": 5},
-    "resources": {"threads_per_process": 1},
-    "checkpoint": {"interval": 1, "keep_last": 10},
-    "metrics": {"progress_bar": False},
-}
+BASE = derived(pipeline={"mode": "sync", "steps": 5}, checkpoint={"interval": 1, "keep_last": 10})
 
 
 @pytest.fixture(autouse=True)
@@ -40,13 +29,7 @@ def _one_thread():
 
 
 def _spec(tmp_path, name, **over):
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
-    data["name"] = name
-    data["output_dir"] = str(tmp_path / name)
-    for dotted, value in over.items():
-        section, field = dotted.split("__")
-        data.setdefault(section, {})[field] = value
-    return load_spec(data)
+    return tiny_spec(tmp_path, name, BASE, **over)
 
 
 class Log:

@@ -21,28 +21,14 @@ import torch
 from runtime.control import Control
 from runtime.metrics import read_jsonl
 from runtime.pipeline import PipelineError, run
-from runtime.spec import load_spec
 from runtime.weights import WeightService, WeightSubscriber
+from tests.runtime.helpers import derived, tiny_spec
 
-BASE = {
-    "seed": 5,
-    "model": {"builtin": "tiny-qwen2"},
-    "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
-    "algorithm": {"name": "grpo", "group_size": 4, "entropy_coef": 0.01},
-    "trainer": {"lr": 1e-3},
-    "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
-    "pipeline": {
-        "mode": "async",
-        "prompts_per_step": 4,
-        "eval_interval": 0,
-        "max_policy_lag": 0,
-        "on_lag_exceeded": "throttle",
-        "queue_capacity": 32,
-    },
-    "resources": {"threads_per_process": 1},
-    "checkpoint": {"interval": 0},
-    "metrics": {"progress_bar": False},
-}
+BASE = derived(
+    seed=5,
+    pipeline={"mode": "async", "max_policy_lag": 0, "on_lag_exceeded": "throttle", "queue_capacity": 32},
+    checkpoint={"interval": 0},
+)
 
 
 @pytest.fixture(autouse=True)
@@ -51,13 +37,7 @@ def _one_thread():
 
 
 def _spec(tmp_path, **over):
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
-    data["name"] = "restart"
-    data["output_dir"] = str(tmp_path / "restart")
-    for dotted, value in over.items():
-        section, field = dotted.split("__")
-        data.setdefault(section, {})[field] = value
-    return load_spec(data)
+    return tiny_spec(tmp_path, "restart", BASE, **over)
 
 
 def _killer(control, plan):
