@@ -20,6 +20,11 @@
   trainer no longer holds (a dead process's, or from before a rollback) is
   dropped, so no sample is lost or trained on twice.
 
+The modes live in ``runtime.pipeline_inline`` (sync, colocated) and
+``runtime.pipeline_async``; what they share — models, trainer, data, weights,
+checkpoints, reporters, evaluation and the step boundary with its
+directives — is :class:`RunContext` here.
+
 The driver only calls roles (``runtime.roles``: prompt source, rollout
 worker; ``runtime.trainer``; ``runtime.evaluator``) and never looks inside a
 sample. Every ``checkpoint.interval`` steps (and at the end) the full state
@@ -40,33 +45,19 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 import yaml
 
 from runtime import metrics as M
 from runtime.control import LIVE_PARAMS, Control, Directive
-from runtime.evaluator import BackgroundEvaluator, evaluate
-from runtime.queue import QueueClosed, SampleQueue
+from runtime.evaluator import evaluate
 from runtime.roles import (
-    EPOCH,
-    STOP,
-    ConsistencyProbe,
     PromptSource,
-    RolloutWorker,
-    WorkItem,
-    build_engine,
     build_models,
     build_task,
-    from_bytes,
-    rollout_process,
 )
 from runtime.samples import Sample
 from runtime.spec import RunSpec
@@ -131,7 +122,7 @@ class _Mode(Protocol):
         """While paused, between directives (async: supervise the rollout processes)."""
 
 
-class _Run:
+class RunContext:
     """What every mode shares: models, trainer, data, weights, checkpoints, reporters, evaluation, control."""
 
     def __init__(
@@ -542,12 +533,16 @@ def run(
     (completed, stopped, preempted, cancelled), and a trace of the issue indices consumed per
     step / dropped / left over (queue and in flight) at the end.
     """
-    ctx = _Run(spec, Path(resume) if resume is not None else None, reporters, stop, control)
+    ctx = RunContext(spec, Path(resume) if resume is not None else None, reporters, stop, control)
     error: BaseException | None = None
     try:
         if ctx.spec.pipeline.mode == "async":
-            return _Async(ctx).run()
-        return _Inline(ctx).run()
+            from runtime.pipeline_async import AsyncMode
+
+            return AsyncMode(ctx).run()
+        from runtime.pipeline_inline import InlineMode
+
+        return InlineMode(ctx).run()
     except BaseException as exc:
         error = exc
         raise
@@ -556,96 +551,7 @@ def run(
         ctx.reporters.close()
 
 
-# ---- sync and colocated ---------------------------------------------------------
-
-
-class _Inline:
-    """sync and colocated: generation and training alternate in this process."""
-
-    def __init__(self, ctx: _Run):
-        from runtime.models import build_policy
-
-        spec = ctx.spec
-        self.ctx = ctx
-        self.colocated = spec.pipeline.mode == "colocated"
-        if self.colocated:
-            engine_model = ctx.models.policy  # zero copy: the engine reads the trainer's parameters
-        else:
-            engine_model, _ = build_policy(spec.model, ctx.device, seed=spec.seed)
-            engine_model.eval()
-        self.engine = build_engine(engine_model, ctx.tokenizer, ctx.device, spec)
-        self.publish(initial=True)
-        self.worker = RolloutWorker(spec, self.engine, ctx.tokenizer, ctx.task, ctx.device)
-
-    def publish(self, initial: bool = False) -> int:
-        """The trainer's weights as its version, to the weight service and the engine."""
-        ctx = self.ctx
-        state = None if self.colocated else ctx.trainer.publish_state()
-        version = ctx.weights.version if initial else ctx.weights.publish(state, version=ctx.trainer.version)
-        self.engine.update_weights(state, version)
-        return version
-
-    def run(self) -> dict[str, Any]:
-        ctx, spec, trainer = self.ctx, self.ctx.spec, self.ctx.trainer
-        offload = self.colocated and spec.pipeline.offload_optimizer
-        P = spec.pipeline.prompts_per_step
-
-        step = ctx.start_step
-        if ctx.eval_due(step):
-            self.evaluate(step)
-            ctx.eval_step = step
-        ctx.publish_status(step)
-        while step < spec.pipeline.steps:
-            timer = M.StepTimer()
-            started = time.perf_counter()
-            items = ctx.source.next(P, min_version=ctx.weights.version)
-            with timer.section("generate"):
-                if offload:
-                    trainer.offload_optimizer()
-                with torch.no_grad():
-                    samples, gen_tokens = self.worker.generate(items)
-                if offload:
-                    trainer.reload_optimizer()
-            with timer.section("train"):
-                trained = trainer.train_step(samples, step)
-            with timer.section("weight_sync"):
-                self.publish()
-            step += 1
-            split = timer.lap()
-            split[M.TIME_WAIT] = split[M.TIME_GENERATE]  # lock-step: the trainer idles while generating
-            ctx.trace["consumed"].append(sorted({s.group_id for s in samples}))
-            ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, samples, gen_tokens)
-            ctx.last_metrics[M.QUEUE_DEPTH] = 0
-            ctx.last_metrics[M.QUEUE_WATERMARK] = len(samples)
-            ctx.reporters.report(step, ctx.last_metrics)
-            ctx.publish_status(step)
-            nxt = ctx.boundary(step, self)
-            if nxt is None:
-                break
-            step = nxt
-        return ctx.finish(step)
-
-    # ---- _Mode ----
-    def evaluate(self, step: int) -> None:  # at the step boundary, timed apart from the step (time/eval)
-        self.ctx.record_eval(step, self.ctx.run_eval(self.engine))
-
-    def checkpoint(self, step: int) -> None:
-        self.ctx.save_checkpoint(step, {"queue": _pack_queue(SampleQueue(1).snapshot()), "in_flight": []})
-
-    def forget_in_flight(self) -> None:
-        pass  # nothing is generated between steps
-
-    def restore(self, state: dict[str, Any], offset: int) -> None:
-        self.publish()
-
-    def params_changed(self) -> None:
-        pass  # eval_interval and lr are read where used; the lag bound means nothing in lock-step
-
-    def tick(self) -> None:
-        pass
-
-
-def _pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:
+def pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:
     from runtime.checkpoint import pack_samples
 
     snap = dict(snapshot)
@@ -654,7 +560,7 @@ def _pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:
     return snap
 
 
-def _unpack_queue(state: dict[str, Any], offset: int = 0) -> dict[str, Any]:
+def unpack_queue(state: dict[str, Any], offset: int = 0) -> dict[str, Any]:
     """A checkpoint's queue; ``offset`` renumbers the samples' weight versions (after a rollback)."""
     from runtime.checkpoint import unpack_samples
 
@@ -665,418 +571,3 @@ def _unpack_queue(state: dict[str, Any], offset: int = 0) -> dict[str, Any]:
         for s in snap["items"] + snap["stale"]:
             s.versions = [v + offset for v in s.versions]
     return snap
-
-
-# ---- async ------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One rollout process with its own work queue and result pipe."""
-
-    rank: int
-    proc: Any
-    work_q: Any
-    conn: Any  # the trainer's (receiving) end of the result pipe
-    outstanding: int = 0  # work items issued to it and not yet returned
-    eof: bool = False  # its pipe is closed: the process is gone and everything it sent was read
-    dead_since: float | None = None
-    handled: bool = False  # its death was handled (work re-issued, replacement started)
-
-
-class _AsyncState:
-    """Trainer-side bookkeeping of the rollout processes: who holds which work, what came back.
-
-    Every message of work gets a ticket; ``owner`` maps the tickets outstanding to (slot, issue
-    indices). A result is accepted only for a ticket still outstanding and held by the process
-    that sent it; a dead process's tickets and (at a rollback) all tickets are withdrawn, so their
-    late results are dropped and the work issued again is the only copy ever trained on.
-    """
-
-    def __init__(self, queue: SampleQueue, weights: WeightService):
-        self.queue = queue
-        self.weights = weights
-        self.lock = threading.Lock()  # guards slots, owner, in_flight + queue puts against a checkpoint snapshot
-        self.slots: list[_Slot] = []
-        self.owner: dict[int, tuple[_Slot, list[int]]] = {}
-        self.in_flight: dict[int, WorkItem] = {}
-        self.next_ticket = 0
-        self.discarded = 0  # results dropped because their ticket was withdrawn
-        self.gen_s = 0.0
-        self.gen_tokens = 0
-        self.error: str | None = None
-        self.done = False  # set once every rollout process has exited
-
-    def receive(self) -> None:
-        """Receiver thread: rollout messages -> queue, until every process has exited and its pipe is drained."""
-        from multiprocessing.connection import wait
-
-        while True:
-            with self.lock:
-                open_slots = {s.conn: s for s in self.slots if not s.eof}
-            if not open_slots:
-                if self.done:
-                    return
-                time.sleep(0.05)
-                continue
-            for ready in wait(list(open_slots), timeout=0.2):
-                slot = open_slots[ready]
-                try:
-                    kind, rank, payload = slot.conn.recv()
-                except (EOFError, OSError):  # the process is gone (exit, kill) and its pipe is drained
-                    slot.conn.close()
-                    self.weights.reader_gone(slot.proc.pid)
-                    with self.lock:
-                        slot.eof = True
-                    continue
-                try:
-                    self._handle(slot, kind, rank, payload)
-                except Exception as exc:  # never die silently: the trainer would wait for samples for ever
-                    self.error = f"receiving from rollout process {rank} failed: {type(exc).__name__}: {exc}"
-                    self.queue.close()
-
-    def _handle(self, slot: _Slot, kind: str, rank: int, payload: Any) -> None:
-        from runtime.queue import unpack_samples
-
-        if kind == "samples":
-            blob, info = payload
-            samples = unpack_samples(from_bytes(blob))
-            with self.lock:
-                held = self.owner.get(info["ticket"])
-                if held is None or held[0] is not slot:  # withdrawn: a dead process's, or from before a rollback
-                    self.discarded += 1
-                    return
-                # never blocks: the trainer only issues work the queue has room for
-                try:
-                    if not self.queue.put(samples, timeout=60):
-                        self.error = "sample queue stayed full for 60 s (credit accounting broken)"
-                        return
-                except QueueClosed:
-                    return
-                del self.owner[info["ticket"]]
-                for index in held[1]:
-                    self.in_flight.pop(index, None)
-                slot.outstanding -= len(held[1])
-                self.gen_s += info["gen_s"]
-                self.gen_tokens += info["tokens"]
-        elif kind == "error":
-            self.error = f"rollout process {rank} failed:\n{payload}"
-            self.queue.close()
-
-    def withdraw(self, slot: _Slot | None = None) -> list[WorkItem]:
-        """Take back the work held by ``slot`` (every slot's when None); caller holds the lock."""
-        items: list[WorkItem] = []
-        for ticket, (holder, indices) in list(self.owner.items()):
-            if slot is None or holder is slot:
-                del self.owner[ticket]
-                holder.outstanding -= len(indices)
-                items.extend(self.in_flight.pop(i) for i in indices)
-        return sorted(items, key=lambda it: it.index)
-
-    def take_gen_counters(self) -> tuple[float, int]:
-        with self.lock:
-            out = (self.gen_s, self.gen_tokens)
-            self.gen_s, self.gen_tokens = 0.0, 0
-            return out
-
-
-def _death_reason(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
-
-
-class _Async:
-    """async: rollout processes generate into the queue while the trainer trains."""
-
-    def __init__(self, ctx: _Run):
-        spec = ctx.spec
-        self.ctx = ctx
-        self.G = spec.algorithm.group_size
-        self.B = spec.samples_per_step
-        self.policy = spec.pipeline.on_lag_exceeded
-        self.queue = SampleQueue(
-            spec.queue_capacity, max_policy_lag=spec.pipeline.max_policy_lag, on_lag_exceeded=self.policy
-        )
-        self.st = _AsyncState(self.queue, ctx.weights)
-        if ctx.resume_state is not None:
-            self.queue.restore(_unpack_queue(ctx.resume_state["queue"]))
-            in_flight = [WorkItem.unpack(d) for d in ctx.resume_state["in_flight"]]
-            ctx.source.give_back(in_flight)  # in-flight prompts at checkpoint time are re-issued first
-            self._handle_stale()  # stale but not yet handled when the checkpoint was taken
-        if self.B > self.queue.capacity:
-            raise PipelineError(
-                f"pipeline.queue_capacity: {self.queue.capacity} is smaller than one step's {self.B} samples"
-            )
-        ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)  # every version a consumable sample can come from
-        self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.G))
-        self.restarts = [0] * spec.resources.rollout_workers
-        self.evaluator: BackgroundEvaluator | None = None
-        self.mp = torch.multiprocessing.get_context("spawn")
-        self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
-
-    # ---- rollout processes ----
-    def spawn(self, rank: int) -> _Slot:
-        recv, send = self.mp.Pipe(duplex=False)
-        work_q = self.mp.Queue()
-        proc = self.mp.Process(
-            target=rollout_process,
-            args=(rank, self.ctx.spec.resolved(), self.shared, work_q, send, self.flags, self.ctx.rollout_threads),
-            name=f"rollout-{rank}",
-            daemon=True,
-        )
-        proc.start()
-        send.close()  # the child holds the only writing end: its death closes the pipe (EOF)
-        slot = _Slot(rank, proc, work_q, recv)
-        with self.st.lock:
-            self.st.slots.append(slot)
-        return slot
-
-    def live_slots(self) -> list[_Slot]:
-        return [s for s in self.st.slots if not s.handled and s.dead_since is None]
-
-    def rollout_status(self) -> dict[str, Any]:
-        pids = [s.proc.pid for s in sorted(self.live_slots(), key=lambda s: s.rank)]
-        return {"rollout_pids": pids, "rollout_restarts": sum(self.restarts)}
-
-    def supervise(self) -> None:
-        """Fail on a rollout error; replace a rollout process that died, issuing its work again."""
-        if self.st.error:
-            raise PipelineError(self.st.error)
-        now = time.monotonic()
-        for slot in list(self.st.slots):
-            if slot.handled or slot.proc.exitcode is None:
-                continue
-            if slot.dead_since is None:
-                slot.dead_since = now
-            # let the receiver read what it sent before dying (EOF), so finished work is not redone
-            if not slot.eof and now - slot.dead_since < 5.0:
-                continue
-            self.replace(slot)
-
-    def replace(self, slot: _Slot) -> None:
-        ctx, rank = self.ctx, slot.rank
-        reason = _death_reason(slot.proc.exitcode)
-        slot.handled = True
-        with self.st.lock:
-            items = self.st.withdraw(slot)
-            for item in items:  # back at their old place in line, with the weights allowed there
-                item.pinned = True
-            ctx.source.give_back(items)
-            self.st.slots = [s for s in self.st.slots if not (s.handled and s.eof) or s is slot]
-        slot.work_q.cancel_join_thread()  # nobody reads it any more: never block exit on it
-        slot.work_q.close()
-        ctx.weights.reader_died(slot.proc.pid)  # the others must not wait for a lock it died holding
-        budget = ctx.spec.resources.rollout_restarts
-        if self.restarts[rank] >= budget:
-            raise PipelineError(
-                f"rollout process {rank} {reason}; its restart budget resources.rollout_restarts={budget} is spent"
-            )
-        self.restarts[rank] += 1
-        self.spawn(rank)
-        ctx.reporters.event(
-            "rollout_restarted",
-            {"rank": rank, "restarts": self.restarts[rank], "reason": reason, "reissued": len(items)},
-        )
-        ctx.publish_status(**self.rollout_status())
-
-    def top_up(self, next_take: int) -> None:
-        """Issue work while the queue has room for it (credits), each message within one step's share.
-
-        ``next_take``: the trainer version at its next ``take`` (the current one before this step's
-        take, one more after it)."""
-        ctx, st, G, B = self.ctx, self.st, self.G, self.B
-        lag = ctx.spec.pipeline.max_policy_lag
-        while True:
-            with st.lock:
-                live = [s for s in self.live_slots() if s.proc.exitcode is None]
-                if not live:
-                    return  # replacements are started by supervise()
-                ahead = len(self.queue) + len(st.in_flight) * G
-                room = self.queue.capacity - ahead
-                to_boundary = (B - ahead % B) // G  # a message never straddles two steps' shares
-                n = min(self.per_message, room // G, max(1, to_boundary))
-                if n < 1:
-                    return
-                # throttle: the message is consumed around version + ahead // B; it must be generated
-                # with weights at most `lag` versions older than that
-                min_version = max(0, next_take + ahead // B - lag) if self.policy == "throttle" else 0
-                items = ctx.source.next(n, min_version=min_version)
-                slot = min(live, key=lambda s: (s.outstanding, s.rank))  # the least loaded process
-                ticket = st.next_ticket
-                st.next_ticket += 1
-                st.owner[ticket] = (slot, [it.index for it in items])
-                slot.outstanding += len(items)
-                for it in items:
-                    st.in_flight[it.index] = it
-            slot.work_q.put((ticket, int(self.flags[EPOCH]), [it.pack() for it in items]))
-
-    # ---- the loop ----
-    def run(self) -> dict[str, Any]:
-        ctx, spec, trainer, st, queue = self.ctx, self.ctx.spec, self.ctx.trainer, self.st, self.queue
-        B = self.B
-        probe = ConsistencyProbe(spec, ctx.device, max_samples=min(self.G, 4))  # a sample of the batch: cheap
-        self.shared = ctx.weights.shared_handle(trainer.publish_state(), self.mp)
-        ctx.weights.initialize(trainer.publish_state())
-        receiver = threading.Thread(target=st.receive, name="receiver", daemon=True)
-        step = ctx.start_step
-        try:
-            for rank in range(spec.resources.rollout_workers):
-                self.spawn(rank)
-            receiver.start()
-            self.params_changed()  # the evaluator, when evaluation is on
-            if ctx.eval_due(step):
-                self.evaluate(step)
-                ctx.eval_step = step
-            ctx.publish_status(step, **self.rollout_status())
-            queue.reset_watermark()
-            while step < spec.pipeline.steps:
-                timer = M.StepTimer()
-                started = time.perf_counter()
-                self.supervise()  # a dead process's work is issued again before it is waited for
-                self.top_up(trainer.version)
-                with timer.section("wait"):
-                    batch = None
-                    while batch is None:
-                        try:
-                            batch = queue.take(B, trainer.version, timeout=0.2)
-                        except QueueClosed:
-                            self.supervise()
-                            raise
-                        self._handle_stale()
-                        if batch is None:
-                            self.supervise()
-                            self.top_up(trainer.version)
-                stats = queue.stats()
-                self.top_up(trainer.version + 1)  # refill at once so the rollouts keep generating while we train
-                with timer.section("train"):
-                    trained = trainer.train_step(batch, step)
-                if M.CONSISTENCY_KL not in trained:  # no sample of the trainer's own version in this batch
-                    trained.update(probe.measure(batch, ctx.weights))
-                with timer.section("weight_sync"):
-                    ctx.weights.publish(trainer.publish_state(), version=trainer.version)
-                step += 1
-                gen_s, gen_tokens = st.take_gen_counters()
-                timer.add("generate", gen_s)
-                split = timer.lap()
-                ctx.trace["consumed"].append(sorted({s.group_id for s in batch}))
-                ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, batch, gen_tokens)
-                ctx.last_metrics[M.QUEUE_DEPTH] = stats.depth
-                ctx.last_metrics[M.QUEUE_WATERMARK] = stats.high_water
-                queue.reset_watermark()
-                ctx.reporters.report(step, ctx.last_metrics)
-                self.collect_evals()
-                ctx.publish_status(step, **self.rollout_status())
-                nxt = ctx.boundary(step, self)
-                if nxt is None:
-                    break
-                if nxt != step:  # rolled back
-                    queue.reset_watermark()
-                step = nxt
-        finally:
-            self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != "cancelled")
-        with st.lock:
-            ctx.trace["leftover"] = sorted(
-                {s.group_id for s in queue.snapshot()["items"]}
-                | set(st.in_flight)
-                | {w.index for w in ctx.source.reissue}
-            )
-        return ctx.finish(step)
-
-    def shutdown(self, receiver: threading.Thread, wait_eval: bool) -> None:
-        st = self.st
-        self.flags[STOP] = 1
-        slots = list(st.slots)
-        for slot in slots:
-            if not slot.handled:
-                slot.work_q.put(None)
-        for slot in slots:
-            slot.proc.join(timeout=60)
-            if slot.proc.is_alive():
-                slot.proc.kill()
-                slot.proc.join()
-            slot.work_q.cancel_join_thread()
-        st.done = True  # every process has exited: the receiver drains what they sent, then stops
-        if receiver.is_alive():
-            receiver.join(timeout=60)
-        if self.evaluator is not None:
-            for eval_step, result in self.evaluator.close(wait=wait_eval):
-                self.ctx.record_eval(eval_step, result)
-
-    def collect_evals(self) -> None:
-        if self.evaluator is not None:
-            for eval_step, result in self.evaluator.results():
-                self.ctx.record_eval(eval_step, result)
-
-    def _handle_stale(self) -> None:
-        stale = self.queue.pop_stale()
-        if stale:
-            _handle_stale(self.ctx, self.queue, stale, self.policy)
-
-    # ---- _Mode ----
-    def evaluate(self, step: int) -> None:
-        if self.evaluator is not None:
-            version = self.ctx.weights.version
-            self.evaluator.submit(step, version, self.ctx.weights.state(version))
-
-    def checkpoint(self, step: int) -> None:
-        with self.st.lock:
-            snap = self.queue.snapshot()
-            in_flight_state = [it.pack() for it in self.st.in_flight.values()]
-        self.ctx.save_checkpoint(step, {"queue": _pack_queue(snap), "in_flight": in_flight_state})
-
-    def forget_in_flight(self) -> None:
-        with self.st.lock:
-            self.st.withdraw()  # late results of these tickets are dropped on arrival
-            self.flags[EPOCH] += 1  # and rollout processes skip the messages they have not started
-        if self.evaluator is not None:  # evaluations of the abandoned timeline are reported before the rollback
-            for eval_step, result in self.evaluator.close(wait=False):
-                self.ctx.record_eval(eval_step, result)
-            self.evaluator = None
-
-    def restore(self, state: dict[str, Any], offset: int) -> None:
-        ctx = self.ctx
-        with self.st.lock:
-            self.queue.clear()
-            self.queue.restore(_unpack_queue(state["queue"], offset))
-        in_flight = [WorkItem.unpack(d) for d in state["in_flight"]]
-        for item in in_flight:
-            item.min_version += offset
-        ctx.source.give_back(in_flight)
-        ctx.weights.publish(ctx.trainer.publish_state(), version=ctx.trainer.version)
-        self._handle_stale()
-        self.params_changed()
-
-    def params_changed(self) -> None:
-        spec = self.ctx.spec
-        self.queue.max_policy_lag = spec.pipeline.max_policy_lag
-        self.ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)
-        if self.evaluator is None and spec.pipeline.eval_interval > 0:
-            self.evaluator = BackgroundEvaluator(lambda: _eval_engine(self.ctx), self.ctx.run_eval)
-
-    def tick(self) -> None:
-        self.supervise()
-        self.collect_evals()
-
-
-def _handle_stale(ctx: _Run, queue: SampleQueue, stale: list[Sample], policy: str) -> None:
-    """drop: count and forget; throttle / sync: regenerate the prompt with the current weights."""
-    groups = sorted({s.group_id: s.prompt_id for s in stale}.items())
-    ctx.dropped_total += len(stale)
-    if policy == "drop":
-        ctx.trace["dropped"].extend(g for g, _ in groups)
-        return
-    queue.release([s.sample_id for s in stale])  # the regenerated group reuses the ids
-    items = [WorkItem(index=g, prompt=ctx.prompt_by_id[pid]) for g, pid in groups]
-    ctx.source.give_back(items, min_version=ctx.trainer.version)
-
-
-def _eval_engine(ctx: _Run) -> Any:
-    from runtime.models import build_policy
-
-    model, _ = build_policy(ctx.spec.model, ctx.device, seed=ctx.spec.seed)
-    model.eval()
-    return build_engine(model, ctx.tokenizer, ctx.device, ctx.spec)

@@ -1,0 +1,108 @@
+"""The ``sync`` and ``colocated`` modes: generation and training alternate in the trainer's process.
+
+``sync`` copies the new weights into a separate engine model after every step;
+``colocated`` generates with the trainer's own parameters (zero copy),
+optionally with the optimizer state offloaded while generating. The loop's
+step boundary, checkpoints and directives are the shared ``runtime.pipeline.RunContext``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from runtime import metrics as M
+from runtime.pipeline import RunContext, pack_queue
+from runtime.queue import SampleQueue
+from runtime.roles import (
+    RolloutWorker,
+    build_engine,
+)
+
+
+class InlineMode:
+    """sync and colocated: generation and training alternate in this process."""
+
+    def __init__(self, ctx: RunContext):
+        from runtime.models import build_policy
+
+        spec = ctx.spec
+        self.ctx = ctx
+        self.colocated = spec.pipeline.mode == "colocated"
+        if self.colocated:
+            engine_model = ctx.models.policy  # zero copy: the engine reads the trainer's parameters
+        else:
+            engine_model, _ = build_policy(spec.model, ctx.device, seed=spec.seed)
+            engine_model.eval()
+        self.engine = build_engine(engine_model, ctx.tokenizer, ctx.device, spec)
+        self.publish(initial=True)
+        self.worker = RolloutWorker(spec, self.engine, ctx.tokenizer, ctx.task, ctx.device)
+
+    def publish(self, initial: bool = False) -> int:
+        """The trainer's weights as its version, to the weight service and the engine."""
+        ctx = self.ctx
+        state = None if self.colocated else ctx.trainer.publish_state()
+        version = ctx.weights.version if initial else ctx.weights.publish(state, version=ctx.trainer.version)
+        self.engine.update_weights(state, version)
+        return version
+
+    def run(self) -> dict[str, Any]:
+        ctx, spec, trainer = self.ctx, self.ctx.spec, self.ctx.trainer
+        offload = self.colocated and spec.pipeline.offload_optimizer
+        P = spec.pipeline.prompts_per_step
+
+        step = ctx.start_step
+        if ctx.eval_due(step):
+            self.evaluate(step)
+            ctx.eval_step = step
+        ctx.publish_status(step)
+        while step < spec.pipeline.steps:
+            timer = M.StepTimer()
+            started = time.perf_counter()
+            items = ctx.source.next(P, min_version=ctx.weights.version)
+            with timer.section("generate"):
+                if offload:
+                    trainer.offload_optimizer()
+                with torch.no_grad():
+                    samples, gen_tokens = self.worker.generate(items)
+                if offload:
+                    trainer.reload_optimizer()
+            with timer.section("train"):
+                trained = trainer.train_step(samples, step)
+            with timer.section("weight_sync"):
+                self.publish()
+            step += 1
+            split = timer.lap()
+            split[M.TIME_WAIT] = split[M.TIME_GENERATE]  # lock-step: the trainer idles while generating
+            ctx.trace["consumed"].append(sorted({s.group_id for s in samples}))
+            ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, samples, gen_tokens)
+            ctx.last_metrics[M.QUEUE_DEPTH] = 0
+            ctx.last_metrics[M.QUEUE_WATERMARK] = len(samples)
+            ctx.reporters.report(step, ctx.last_metrics)
+            ctx.publish_status(step)
+            nxt = ctx.boundary(step, self)
+            if nxt is None:
+                break
+            step = nxt
+        return ctx.finish(step)
+
+    # ---- _Mode ----
+    def evaluate(self, step: int) -> None:  # at the step boundary, timed apart from the step (time/eval)
+        self.ctx.record_eval(step, self.ctx.run_eval(self.engine))
+
+    def checkpoint(self, step: int) -> None:
+        self.ctx.save_checkpoint(step, {"queue": pack_queue(SampleQueue(1).snapshot()), "in_flight": []})
+
+    def forget_in_flight(self) -> None:
+        pass  # nothing is generated between steps
+
+    def restore(self, state: dict[str, Any], offset: int) -> None:
+        self.publish()
+
+    def params_changed(self) -> None:
+        pass  # eval_interval and lr are read where used; the lag bound means nothing in lock-step
+
+    def tick(self) -> None:
+        pass
