@@ -94,6 +94,10 @@ class Platform:
         with self.worker_log.open("a") as out:
             self.worker = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
+    def stop_worker(self) -> None:
+        _stop(self.worker)
+        self.worker = None
+
     def close(self) -> None:
         _stop(self.worker)
         _stop(self.server)

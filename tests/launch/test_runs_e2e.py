@@ -283,3 +283,17 @@ def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_later(pl
     resumed = RunEvent.objects.get(run=low, attempt=1, kind="resume")
     assert CheckpointRecord.objects.filter(run=low, attempt=0, step=resumed.payload["step"]).exists()
     assert _live_steps(low) == list(range(1, 41))
+
+
+def test_a_worker_restart_neither_loses_nor_doubles_a_running_role(platform, cluster):
+    run = _submit(platform, cluster, spec_text("worker-restart", steps=60, interval=0))
+    _wait_state(platform, run, RunState.RUNNING)
+    role = _trainer(run)
+    platform.stop_worker()  # the role process lives on: it is detached from the worker
+    assert Path(f"/proc/{role.pid}").exists()
+    platform.start_worker()  # a new worker adopts it (reads the roles of its host, not its memory)
+    _wait_state(platform, run, RunState.COMPLETED, RunState.FAILED)
+    assert run.state == RunState.COMPLETED, run.reason
+    role.refresh_from_db()
+    assert (role.attempt, role.restarts, role.exit_code) == (0, 0, 0)  # the same process, to the end
+    assert _live_steps(run) == list(range(1, 61))
