@@ -176,3 +176,18 @@ def test_a_vanished_process_is_reported_without_an_exit_code(stand_in, admitted_
     assert _host_supervisor(role).pass_once()["exited"] == 1
     role.refresh_from_db()
     assert role.message == "restarting after: the process vanished"
+
+
+def test_a_fork_starts_from_its_parent_checkpoints_policy_and_never_outside_the_root(stand_in, admitted_role, settings):
+    run, role = admitted_role
+    root = Path(settings.TANDEM_CHECKPOINT_ROOT)
+    parent = root / "run-1" / "checkpoints" / "step-00000004"
+    run.parent_checkpoint = str(parent)
+    run.save(update_fields=["parent_checkpoint"])
+    assert supervisor._role_spec(run, role)["model"]["path"] == str(parent / "policy")
+    own = run.resolved_spec["model"].get("path")
+    (Path(role.workdir) / "checkpoints").mkdir(parents=True)  # a restarted fork resumes its own checkpoints
+    assert supervisor._role_spec(run, role)["model"].get("path") == own
+    (Path(role.workdir) / "checkpoints").rmdir()
+    run.parent_checkpoint = "/etc"  # outside the checkpoint root: never handed to a role
+    assert supervisor._role_spec(run, role)["model"].get("path") == own
