@@ -95,10 +95,9 @@ def stop_server(server: subprocess.Popen) -> None:
         server.wait()
 
 
-def application_with_status_fast_path():
-    """``uvicorn --factory bench.harness:application_with_status_fast_path``: rlplatform.asgi's application
-    behind jobs.api.views.RunStatusFastPath, as rlplatform/asgi.py would mount it (api_load.py --fast-path)."""
-    import rlplatform.asgi  # sets Django up: it must come before the jobs import
-    from jobs.api.views import RunStatusFastPath
+def django_only_application():
+    """``uvicorn --factory bench.harness:django_only_application``: Django's HTTP application without the
+    run-status fast path that rlplatform/asgi.py mounts in front of it (api_load.py --compare-django)."""
+    import rlplatform.asgi  # sets Django up
 
-    return RunStatusFastPath(rlplatform.asgi.application)
+    return rlplatform.asgi.django_asgi_app

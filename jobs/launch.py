@@ -1,7 +1,7 @@
 """Launching, restarting and ending a run's role processes: the platform's side.
 
-    admitted (jobs.admission)  -> request_launch: ``launch_run`` task after the admitting commit
-    launch_run                 -> the role is placed on the run's allocated devices and one
+    admitted (jobs.admission)  -> request_launch: one ``launch_runs`` task after the admitting commit
+    launch_run (each run)      -> the role is placed on the run's allocated devices and one
                                   ``start_role`` task goes to its host's queue after commit
     start_role on the host     -> jobs.supervisor claims, spawns and watches the process
     the process exits          -> role_exited: complete, fail, restart from the last checkpoint,
@@ -42,7 +42,7 @@ from rlplatform.celery import app
 logger = logging.getLogger(__name__)
 
 TRAINER = "trainer-0"
-LAUNCH_TASK = "jobs.tasks.launch_run"
+LAUNCH_TASK = "jobs.tasks.launch_runs"
 START_TASK = "jobs.tasks.start_role"
 EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
 PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
@@ -78,10 +78,12 @@ def _send(task: str, args: list[Any], queue: str | None = None) -> None:
 
 
 def request_launch(run_ids: list[int]) -> None:
-    """Queue ``launch_run`` for each run once the current transaction commits (a broker error is logged;
-    the role watchdog launches admitted runs that were missed)."""
-    for run_id in run_ids:
-        transaction.on_commit(lambda run_id=run_id: _send(LAUNCH_TASK, [run_id]), robust=True)
+    """Queue one ``launch_runs`` task for the runs once the current transaction commits: one message per
+    admission pass, however many it admitted (a broker error is logged; the role watchdog launches
+    admitted runs that were missed)."""
+    ids = list(run_ids)
+    if ids:
+        transaction.on_commit(lambda: _send(LAUNCH_TASK, [ids]), robust=True)
 
 
 def _request_start(role: RunRole, queue: str) -> None:

@@ -46,11 +46,11 @@ def apply_checkpoint_retention() -> int:
     return deleted
 
 
-@shared_task(name="jobs.tasks.launch_run", soft_time_limit=60, time_limit=90)
-def launch_run(run_id: int) -> int | None:
-    """Place an admitted run's role and send its start task to the host (jobs.launch); the role id or None."""
-    role = launch.launch_run(run_id)
-    return role.pk if role is not None else None
+@shared_task(name="jobs.tasks.launch_runs", soft_time_limit=240, time_limit=300)
+def launch_runs(run_ids: list[int]) -> list[int]:
+    """Place each admitted run's role and send its start task to its host (jobs.launch); the role ids."""
+    roles = [launch.launch_run(run_id) for run_id in run_ids]
+    return [role.pk for role in roles if role is not None]
 
 
 @shared_task(name="jobs.tasks.start_role", soft_time_limit=90, time_limit=120)
