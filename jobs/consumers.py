@@ -280,5 +280,8 @@ class RunsConsumer(AsyncJsonWebsocketConsumer):
     async def runs_run(self, message):
         await self.send_json({"type": "run", "data": message["data"]})
 
+    async def runs_metrics(self, message):
+        await self.send_json({"type": "metrics", "data": message["data"]})
+
     async def runs_cluster(self, message):
         await self.send_json({"type": "cluster", "data": message["data"]})

@@ -30,6 +30,7 @@ from channels.layers import get_channel_layer
 from django.db import connection, transaction
 
 from jobs.models import Run, RunStreamEntry, StreamType
+from runtime import metrics as M
 
 __all__ = [
     "append",
@@ -148,6 +149,19 @@ def append_state_changes(group_id: int, before: dict[int, tuple], also: Iterable
     if changed:
         transaction.on_commit(lambda: _send_usage(group_id))
     return changed
+
+
+# What the runs tables (experiment, cluster) show of each run's newest metrics, kept live.
+KEY_METRICS = (M.REWARD_MEAN, M.ACCURACY, M.STALENESS_MEAN)
+
+
+def send_key_metrics(run_id: int, team_id: int, step: int, values: dict[str, Any]) -> None:
+    """After commit, tell the runs lists of the run's team its newest key metrics (not kept in the table:
+    a page opened later reads them from the metric points)."""
+    metrics = {k: values[k] for k in KEY_METRICS if isinstance(values.get(k), int | float)}
+    if metrics:
+        data = {"id": run_id, "step": step, "metrics": metrics}
+        transaction.on_commit(lambda: _send(team_group(team_id), {"type": "runs.metrics", "data": data}))
 
 
 def run_summary(row: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from jobs import commands, handler
+from jobs import commands, handler, stream
 from jobs.models import (
     CheckpointRecord,
     Command,
@@ -179,8 +179,9 @@ def config_diffs(versions: list[ConfigVersion], base: dict) -> list[dict]:
     return rows
 
 
-# The runs table's "key metrics": from each run's newest live point (one subquery per page of runs).
-KEY_METRICS = (m.REWARD_MEAN, m.ACCURACY, m.STALENESS_MEAN)
+# The runs table's "key metrics" (jobs.stream.KEY_METRICS): from each run's newest live point (one
+# subquery per page of runs); kept live by the runs-list socket.
+KEY_METRICS = stream.KEY_METRICS
 
 
 def _attach_key_metrics(runs) -> None:

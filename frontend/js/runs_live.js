@@ -1,5 +1,5 @@
 // Pages listing runs (experiment, cluster): rows marked data-run-id get their
-// state, queue position and reason from the ws/runs/ stream; elements marked
+// state, queue position, reason and key metrics from the ws/runs/ stream; elements marked
 // data-group-id / data-usage get a resource group's device counts.
 
 import { el } from "./api.js";
@@ -23,6 +23,17 @@ function onRun(run) {
   }
 }
 
+function onMetrics(data) {
+  // The run's newest key metrics (reward, accuracy, staleness), as the page rendered them.
+  for (const cell of document.querySelectorAll(`[data-run-id="${data.id}"] .key-metrics`)) {
+    cell.replaceChildren(
+      ...Object.entries(data.metrics).map(([name, value]) =>
+        el("div", {}, el("code", {}, name), ` ${Number(value).toFixed(3)}`),
+      ),
+    );
+  }
+}
+
 function onCluster(group) {
   for (const box of document.querySelectorAll(`[data-group-id="${group.id}"]`)) {
     for (const cell of box.querySelectorAll("[data-usage]")) {
@@ -35,7 +46,11 @@ function onCluster(group) {
 const status = document.getElementById("stream-status");
 new Stream("/ws/runs/", {
   resume: false,
-  onEntry: (msg) => (msg.type === "run" ? onRun(msg.data) : msg.type === "cluster" ? onCluster(msg.data) : null),
+  onEntry: (msg) => {
+    if (msg.type === "run") onRun(msg.data);
+    else if (msg.type === "metrics") onMetrics(msg.data);
+    else if (msg.type === "cluster") onCluster(msg.data);
+  },
   onStatus: (s) => {
     if (status) {
       status.textContent = s;

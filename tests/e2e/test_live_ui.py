@@ -157,6 +157,16 @@ def test_reward_chart_receives_points_while_live(server, login_as, in_thread, ed
     expect(compare.locator("#compare-chart")).to_have_attribute("data-points", "11")
     expect(page.locator(REWARD_CHART)).to_have_attribute("data-points", "11")
     compare.close()
+
+    # The experiment's runs table keeps each run's key metrics live.
+    listing = page.context.new_page()
+    listing.goto(f"/experiments/{experiment.pk}/")
+    _wait_live(listing)
+    cell = listing.locator(f'tr[data-run-id="{run.pk}"] .key-metrics')
+    expect(cell).to_have_text("reward/mean 1.100")
+    _ingest(server, token, "metrics", _points([12]))
+    expect(cell).to_have_text("reward/mean 1.200")
+    listing.close()
     page.locator("#controls").scroll_into_view_if_needed()
     shot(page, "run-controls", full=False)
     shot(page, "run-charts", page.locator(".chart-group").first)

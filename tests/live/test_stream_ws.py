@@ -337,3 +337,48 @@ def test_viewers_in_one_process_share_one_group_member_and_each_gets_every_entry
     assert rest == [later, later]
     assert joined.count(stream.run_group(run.pk)) == 1  # one relay per process and run, not one per viewer
     assert left.count(stream.run_group(run.pk)) == 1
+
+
+def test_runs_list_socket_gets_each_batchs_newest_key_metrics_for_its_teams_only(
+    run, owner, outsider, cookie_for, flush_layer
+):
+    from jobs.ingest import handler as ingest
+    from jobs.ingest.tokens import authenticate_run_token, mint_run_token
+
+    token = authenticate_run_token(mint_run_token(run, 0))
+    points = [
+        {"step": 1, "metrics": {"reward/mean": 0.25, "loss/policy": 1.0}},
+        {"step": 2, "metrics": {"reward/mean": 0.5, "accuracy": 0.75, "loss/policy": 0.9}},
+    ]
+
+    cookies = cookie_for(owner), cookie_for(outsider)
+
+    async def scenario():
+        mine, theirs = communicator("/ws/runs/", cookies[0]), communicator("/ws/runs/", cookies[1])
+        for comm in (mine, theirs):
+            await comm.connect()
+        while (await mine.receive_json_from(timeout=5))["type"] != "cluster":
+            pass  # the snapshot: the run, then the group's usage
+        await sync_to_async(ingest.ingest_batch)(token, {"points": points})
+        message = await mine.receive_json_from(timeout=5)
+        other = [m["type"] for m in await _drain(theirs)]
+        await sync_to_async(ingest.ingest_batch)(token, {"points": points})  # a pure replay: nothing new
+        quiet = await mine.receive_nothing(timeout=0.3)
+        for comm in (mine, theirs):
+            await comm.disconnect()
+        return message, other, quiet
+
+    message, other, quiet = async_to_sync(scenario)()
+    assert message == {
+        "type": "metrics",
+        "data": {"id": run.pk, "step": 2, "metrics": {"reward/mean": 0.5, "accuracy": 0.75}},
+    }
+    assert "metrics" not in other  # another team's socket hears nothing of this run
+    assert quiet
+
+
+async def _drain(comm) -> list[dict]:
+    out = []
+    while not await comm.receive_nothing(timeout=0.3):
+        out.append(await comm.receive_json_from(timeout=1))
+    return out
