@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from jobs import handler, stream
 from jobs.ingest.tokens import revoke_run_tokens
-from jobs.models import Allocation, Experiment, Run, RunEvent, RunRole
+from jobs.models import Allocation, Experiment, Run, RunEvent, RunRole, RunToken
 from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform import locks
@@ -45,7 +45,8 @@ TRAINER = "trainer-0"
 LAUNCH_TASK = "jobs.tasks.launch_runs"
 START_TASK = "jobs.tasks.start_role"
 EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
-PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
+PLATFORM_ROLE = "platform"
+SPOOL_REPLAY_BATCH = 500  # records per stored batch when the platform replays an ended role's spool  # the ``role`` of the events the platform itself records for a run
 
 
 def run_dir(run_id: int) -> Path:
@@ -248,6 +249,7 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
         if role is None:
             return "ignored"
         run = role.run
+        replay_spool(role, attempt)
         error = last_error_line(log_tail)
         role.state, role.exit_code, role.exited_at = R.EXITED, exit_code, timezone.now()
         role.message = (error or why or (f"exit code {exit_code}" if exit_code is not None else "vanished"))[:2000]
@@ -263,6 +265,26 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
         if RunState(run.state) not in ACTIVE_STATES and run.state != RunState.QUEUED:
             revoke_run_tokens(run)
     return decision
+
+
+def replay_spool(role: RunRole, attempt: int) -> int:
+    """Store what the ended attempt's reporter could not deliver (the platform was unreachable when it
+    exited): its spool lies in the run directory. Idempotent like any replay; returns the records read."""
+    from jobs.ingest import handler as ingest
+    from runtime.reporting_http import batch_body, undelivered
+    from runtime.role import spool_dir
+
+    records = undelivered(spool_dir(Path(role.workdir), attempt))
+    token = RunToken.objects.filter(run_id=role.run_id, attempt=attempt).order_by("-created_at").first()
+    if not records or token is None:
+        return 0
+    for start in range(0, len(records), SPOOL_REPLAY_BATCH):
+        body = batch_body(records[start : start + SPOOL_REPLAY_BATCH], str(role.run_id), attempt, role.name)
+        try:
+            ingest.ingest_batch(token, body, deliver_commands=False)
+        except ingest.InvalidInput as exc:  # a record the API refuses: the rest still goes in
+            logger.warning("run %s attempt %s: spooled batch refused: %s", role.run_id, attempt, exc)
+    return len(records)
 
 
 def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error: str, why: str) -> str:

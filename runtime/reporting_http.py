@@ -93,6 +93,35 @@ class JsonPoster:
             return None
 
 
+def batch_body(records: list[dict[str, Any]], run: str, attempt: int, role: str) -> dict[str, Any]:
+    """The ingest body for spooled ``records`` (points carry ``step``, events ``kind``)."""
+    return {
+        "run": run,
+        "attempt": attempt,
+        "role": role,
+        "points": [r for r in records if "step" in r],
+        "events": [r for r in records if "kind" in r],
+    }
+
+
+def undelivered(spool_dir: str | Path) -> list[dict[str, Any]]:
+    """What a reporter's spool still holds undelivered, read only (nothing moves): for a supervisor that
+    replays the spool of a process that ended while the platform was unreachable."""
+    spool, cursor = Path(spool_dir) / SPOOL_FILE, Path(spool_dir) / CURSOR_FILE
+    if not spool.exists():
+        return []
+    try:
+        offset = int(json.loads(cursor.read_text())["offset"]) if cursor.exists() else 0
+    except (ValueError, KeyError, TypeError):
+        offset = 0  # resending is safe (idempotent keys), skipping is not
+    size = end_of_last_line(spool)
+    if offset > size:
+        offset = 0
+    with open(spool, "rb") as fh:
+        fh.seek(offset)
+        return [json.loads(line) for line in fh.read(size - offset).splitlines() if line.strip()]
+
+
 class HttpReporter:
     """A :class:`runtime.metrics.Reporter` that delivers to the platform over HTTP.
 
@@ -330,13 +359,7 @@ class HttpReporter:
             records, end = self._read_batch()
         if not records:
             return True
-        body = {
-            "run": self.run,
-            "attempt": self.attempt,
-            "role": self.role,
-            "points": [r for r in records if "step" in r],
-            "events": [r for r in records if "kind" in r],
-        }
+        body = batch_body(records, self.run, self.attempt, self.role)
         try:
             reply = self._poster.post(self.path, body)
         except PostError as exc:

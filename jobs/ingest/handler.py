@@ -271,8 +271,9 @@ def _checkpoint_from_event(token: RunToken, event: dict[str, Any]) -> Checkpoint
     )
 
 
-def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
-    """Store a reporter batch; return the reply: what was stored and the commands to deliver."""
+def ingest_batch(token: RunToken, body: Any, *, deliver_commands: bool = True) -> dict[str, Any]:
+    """Store a reporter batch; return the reply: what was stored and the commands to deliver (none when
+    ``deliver_commands`` is off: the platform replaying an ended role's spool has nobody to give them to)."""
     batch = parse_batch(token, body)
     with transaction.atomic():
         counts = store_points(token, batch.points)
@@ -316,7 +317,7 @@ def ingest_batch(token: RunToken, body: Any) -> dict[str, Any]:
                 fresh = [p for p in paths if p not in known]
                 new_checkpoints = list(CheckpointRecord.objects.filter(run_id=token.run_id, path__in=fresh))
         _stream_batch(token, batch, counts, new_events, new_checkpoints)
-        delivered = commands.deliver(token.run_id)
+        delivered = commands.deliver(token.run_id) if deliver_commands else []
     return {"points": counts, "events": len(batch.events), "commands": delivered}
 
 

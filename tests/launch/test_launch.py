@@ -284,3 +284,30 @@ def test_checkpoint_records_follow_the_checkpoints_a_rollback_set_aside(run):
         (4, aside[0]),
         (6, aside[1]),
     ]
+
+
+def test_what_an_ended_role_could_not_deliver_is_stored_from_its_spool(launched):
+    from pathlib import Path
+
+    from jobs.ingest.tokens import mint_run_token
+    from runtime.reporting_http import HttpReporter
+    from runtime.role import spool_dir
+
+    run, role = launched()
+    handler.transition(run, RunState.RUNNING)
+    token = mint_run_token(run, 0)
+    # The platform was unreachable when the role ended: its last points are still in its spool.
+    reporter = HttpReporter(
+        "http://127.0.0.1:9", token, spool_dir(Path(role.workdir), 0), run=str(run.pk), role="trainer-0"
+    )
+    for step in (1, 2, 3):
+        reporter.report(step, {"reward/mean": step / 10})
+    reporter.event("checkpoint", {"step": 3, "path": f"{role.workdir}/checkpoints/step-00000003"})
+    reporter.close(timeout=0.2)
+    assert not MetricPoint.objects.filter(run=run).exists()
+
+    assert _exit(role, 0, '{"outcome": "completed", "steps": 3}\n') == "completed"
+    assert sorted(MetricPoint.objects.filter(run=run).values_list("step", flat=True)) == [1, 2, 3]
+    assert run.checkpoints.get().step == 3
+    run.refresh_from_db()
+    assert run.state == RunState.COMPLETED
