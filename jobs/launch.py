@@ -38,6 +38,7 @@ from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform import locks
 from rlplatform.celery import app
+from rlplatform.models import Host
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +88,19 @@ def request_launch(run_ids: list[int]) -> None:
         transaction.on_commit(lambda: _send(LAUNCH_TASK, [ids]), robust=True)
 
 
-def _request_start(role: RunRole, queue: str) -> None:
+def _request_start(role: RunRole) -> None:
     role_id, attempt = role.pk, role.attempt
+    queue = role.host.queue or f"host.{role.host.name}"
     transaction.on_commit(lambda: _send(START_TASK, [role_id, attempt], queue=queue), robust=True)
+
+
+def _queue_attempt(role: RunRole, message: str = "") -> None:
+    """Make ``role`` (its attempt number already set) a fresh pending attempt, its process fields cleared;
+    save it and send its start task after commit."""
+    role.state, role.queued_at, role.claimed_by, role.message = R.PENDING, timezone.now(), "", message[:2000]
+    role.pid = role.exit_code = role.launched_at = role.exited_at = role.supervised_at = None
+    role.save()
+    _request_start(role)
 
 
 # --- events the platform records for a run (the run page's event log) -------------------------------
@@ -152,7 +163,7 @@ def launch_run(run_id: int) -> RunRole | None:
             Allocation.objects.active()
             .filter(run=run)
             .order_by("device__host_id", "device__index")
-            .values_list("device__host_id", "device__index", "device__host__queue", "device__host__name")
+            .values_list("device__host_id", "device__index")
         )
         hosts = sorted({d[0] for d in devices})
         if len(hosts) != 1:
@@ -162,19 +173,15 @@ def launch_run(run_id: int) -> RunRole | None:
                 f"its {len(devices)} devices lie on {len(hosts)} hosts; a run is launched on one host only",
             )
             return None
-        host_id, queue, host_name = hosts[0], devices[0][2], devices[0][3]
-        indices = [d[1] for d in devices]
         if role is None:
             role = RunRole(run=run, name=TRAINER, workdir=str(run_dir(run.pk)), attempt=0)
         else:  # re-admitted after a preemption (or a lost host): a new attempt, maybe elsewhere
             role.attempt += 1
-        role.host_id, role.device_indices, role.state = host_id, indices, R.PENDING
-        role.pid = role.exit_code = role.launched_at = role.exited_at = role.supervised_at = None
-        role.message, role.claimed_by, role.queued_at = "", "", timezone.now()
-        role.save()
-        _request_start(role, queue or f"host.{host_name}")
+        role.host = Host.objects.get(pk=hosts[0])
+        role.device_indices = [index for _host, index in devices]
+        _queue_attempt(role)
         stream_role(role)
-        record_event(run.pk, "role_queued", {"role": role.name, "host": host_name, "attempt": role.attempt})
+        record_event(run.pk, "role_queued", {"role": role.name, "host": role.host.name, "attempt": role.attempt})
     return role
 
 
@@ -186,7 +193,7 @@ def resend_start(role_id: int) -> bool:
             return False
         role.queued_at = timezone.now()
         role.save(update_fields=["queued_at"])
-        _request_start(role, role.host.queue or f"host.{role.host.name}")
+        _request_start(role)
     return True
 
 
@@ -244,12 +251,13 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
     ``ignored`` (already handled), ``ended`` (the run was no longer active), ``completed``,
     ``preempted``, ``cancelled``, ``failed`` or ``restarting``.
     """
+    # Idempotent like any replay, and file reading: before the group lock, not under it.
+    replay_spool(role_id, attempt)
     with transaction.atomic():
         role = _lock_live_attempt(role_id, attempt)
         if role is None:
             return "ignored"
         run = role.run
-        replay_spool(role, attempt)
         error = last_error_line(log_tail)
         role.state, role.exit_code, role.exited_at = R.EXITED, exit_code, timezone.now()
         role.message = (error or why or (f"exit code {exit_code}" if exit_code is not None else "vanished"))[:2000]
@@ -267,23 +275,29 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
     return decision
 
 
-def replay_spool(role: RunRole, attempt: int) -> int:
+def replay_spool(role_id: int, attempt: int) -> int:
     """Store what the ended attempt's reporter could not deliver (the platform was unreachable when it
     exited): its spool lies in the run directory. Idempotent like any replay; returns the records read."""
     from jobs.ingest import handler as ingest
     from runtime.reporting_http import batch_body, undelivered
     from runtime.role import spool_dir
 
-    records = undelivered(spool_dir(Path(role.workdir), attempt))
-    token = RunToken.objects.filter(run_id=role.run_id, attempt=attempt).order_by("-created_at").first()
-    if not records or token is None:
+    role = RunRole.objects.filter(pk=role_id).values("run_id", "name", "workdir").first()
+    records = undelivered(spool_dir(Path(role["workdir"]), attempt)) if role else []
+    token = (
+        RunToken.objects.filter(run_id=role["run_id"], attempt=attempt).order_by("-created_at").first()
+        if records
+        else None
+    )
+    if token is None:
         return 0
+    run_id = role["run_id"]
     for start in range(0, len(records), SPOOL_REPLAY_BATCH):
-        body = batch_body(records[start : start + SPOOL_REPLAY_BATCH], str(role.run_id), attempt, role.name)
+        body = batch_body(records[start : start + SPOOL_REPLAY_BATCH], str(run_id), attempt, role["name"])
         try:
             ingest.ingest_batch(token, body, deliver_commands=False)
         except ingest.InvalidInput as exc:  # a record the API refuses: the rest still goes in
-            logger.warning("run %s attempt %s: spooled batch refused: %s", role.run_id, attempt, exc)
+            logger.warning("run %s attempt %s: spooled batch refused: %s", run_id, attempt, exc)
     return len(records)
 
 
@@ -329,12 +343,7 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return "requeued"
     role.attempt += 1
     role.restarts += 1
-    role.state, role.queued_at = R.PENDING, timezone.now()
-    role.pid = role.exit_code = role.launched_at = role.exited_at = role.supervised_at = None
-    role.claimed_by = ""
-    role.message = f"restarting after: {what}"[:2000]
-    role.save()
-    _request_start(role, role.host.queue or f"host.{role.host.name}")
+    _queue_attempt(role, f"restarting after: {what}")
     record_event(
         run.pk,
         "role_restarted",

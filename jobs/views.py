@@ -181,7 +181,6 @@ def config_diffs(versions: list[ConfigVersion], base: dict) -> list[dict]:
 
 # The runs table's "key metrics" (jobs.stream.KEY_METRICS): from each run's newest live point (one
 # subquery per page of runs); kept live by the runs-list socket.
-KEY_METRICS = stream.KEY_METRICS
 
 
 def _attach_key_metrics(runs) -> None:
@@ -194,7 +193,7 @@ def _attach_key_metrics(runs) -> None:
     )
     for run in runs:
         values = latest.get(run.pk) or {}
-        run.key_metrics = [(key, values[key]) for key in KEY_METRICS if isinstance(values.get(key), int | float)]
+        run.key_metrics = [(key, values[key]) for key in stream.KEY_METRICS if isinstance(values.get(key), int | float)]
 
 
 @login_required

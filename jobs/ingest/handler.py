@@ -327,10 +327,8 @@ def _stream_batch(token, batch: Batch, counts: dict[str, int], events, checkpoin
     if counts["inserted"] or counts["merged"]:
         points = [{"step": s, "time": t, "values": m} for s, (t, m) in sorted(batch.points.items())]
         entries.append(("metrics", {"attempt": token.attempt, "points": points}))
-        team_id = Run.objects.filter(pk=token.run_id).values_list("experiment__team_id", flat=True).first()
-        if team_id is not None:
-            newest = points[-1]
-            stream.send_key_metrics(token.run_id, team_id, newest["step"], newest["values"])
+        newest = points[-1]
+        stream.send_key_metrics(token.run_id, token.run.experiment.team_id, newest["step"], newest["values"])
     for e in events:
         entries.append(("event", {"kind": e["kind"], "payload": e["payload"], "role": batch.role, "time": e["time"]}))
     for record in checkpoints:

@@ -70,7 +70,8 @@ def authenticate_run_token(raw: str) -> RunToken | None:
     prefix, sep, secret = raw[len(RUN_TOKEN_PREFIX) :].partition("_")
     if not sep or len(prefix) != 8 or not secret:
         return None
-    token = RunToken.objects.filter(prefix=prefix).first()
+    # The run's experiment comes along: ingest tells the run's team about new metrics (jobs.stream).
+    token = RunToken.objects.select_related("run__experiment").filter(prefix=prefix).first()
     if token is None or not hmac.compare_digest(token.token_hash, hash_token(raw)):
         return None
     if token.revoked_at is not None or token.expires_at <= timezone.now():
