@@ -123,8 +123,10 @@ CHART_GROUPS = [
         [
             ("Staleness", [m.STALENESS_MEAN, m.STALENESS_MAX]),
             ("Sample queue", [m.QUEUE_DEPTH, m.QUEUE_WATERMARK]),
-            ("Dropped stale samples", [m.SAMPLES_DROPPED_STALE]),
-            ("Bubbles", [m.BUBBLE_TRAINER, m.PADDING_RATIO]),
+            ("Dropped samples", [m.SAMPLES_DROPPED_STALE, m.SAMPLES_DROPPED_REWARD]),
+            ("Bubbles", [m.BUBBLE_TRAINER, m.PADDING_RATIO, m.ROLLOUT_PADDING]),
+            ("Rollout balance", [m.ROLLOUT_SKEWNESS, m.ROLLOUT_SORTING_WAIT]),
+            ("Rollout instances", [m.ROLLOUT_ACTIVE]),
             ("Weights version", [m.WEIGHTS_VERSION]),
         ],
     ),

@@ -55,6 +55,11 @@ CONSISTENCY_DIFF_MEAN = "consistency/logprob_diff_mean"
 CONSISTENCY_DIFF_MAX = "consistency/logprob_diff_max"
 CONSISTENCY_KL = "consistency/kl"
 WEIGHTS_VERSION = "weights/version"
+ROLLOUT_PADDING = "rollout/padding_ratio"
+ROLLOUT_SKEWNESS = "rollout/skewness"
+ROLLOUT_SORTING_WAIT = "rollout/sorting_wait"
+ROLLOUT_ACTIVE = "rollout/active_instances"
+SAMPLES_DROPPED_REWARD = "samples/dropped_reward"
 
 METRICS: dict[str, str] = {
     REWARD_MEAN: "Mean reward of the samples trained on in this step.",
@@ -89,6 +94,11 @@ METRICS: dict[str, str] = {
     CONSISTENCY_DIFF_MAX: "Largest such difference in this step.",
     CONSISTENCY_KL: "Per-token k3 estimate of KL(engine || trainer) on the engine's sampled tokens.",
     WEIGHTS_VERSION: "Version of the trainer's weights after this step.",
+    ROLLOUT_PADDING: "Async: 1 - real / allocated token positions the rollout engines computed this step.",
+    ROLLOUT_SKEWNESS: "Async: max / mean busy seconds of the active rollout instances this step (1 = even).",
+    ROLLOUT_SORTING_WAIT: "Async: mean seconds a ready group waited for an engine slot / mean instance busy time.",
+    ROLLOUT_ACTIVE: "Async: rollout instances taking new work (dynamic parallelism follows the queue watermark).",
+    SAMPLES_DROPPED_REWARD: "Samples dropped because the reward service gave no reward after retries, cumulative.",
 }
 
 

@@ -1,13 +1,16 @@
-"""The ``async`` mode: rollout processes generate into the sample queue while the trainer trains.
+"""The ``async`` mode: rollout instances generate into the sample queue while the trainer trains.
 
-Each rollout process (spawned; its own engine, threads, work queue and result
-pipe) takes work items the trainer issues while the queue has room for them
-(credits), and gets weights from the shared-memory weight service. Every
-message carries a ticket: a result whose ticket the trainer no longer holds (a
-dead process's, or from before a rollback) is dropped. A process that dies is
-replaced, up to ``resources.rollout_restarts`` per rank, and its unfinished
-work is issued again first, so no sample is lost or trained on twice. The step
-boundary, checkpoints and directives are the shared ``runtime.pipeline.RunContext``'s.
+Each rollout instance (a spawned process, :mod:`runtime.rollout_instance`: its own engine with
+continuous batching, threads, work queue and result pipe) takes groups the trainer issues while the
+queue has room for them (credits), and gets weights from the shared-memory weight service. The
+trainer's length-aware dispatch (:mod:`runtime.scheduler`) sends each group to the active instance
+with the smallest estimated completion time — queued predicted tokens over measured tokens/s — so
+long and short prompts spread evenly; the number of active instances follows the queue watermark
+(dynamic parallelism). Every group carries a ticket: a result whose ticket the trainer no longer
+holds (a dead or hung instance's, or from before a rollback) is dropped. An instance that dies or
+goes silent is replaced, up to ``resources.rollout_restarts`` per rank, and its unfinished work is
+issued again first, so no sample is lost or trained on twice. The step boundary, checkpoints and
+directives are the shared ``runtime.pipeline.RunContext``'s.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -24,55 +27,67 @@ from runtime import metrics as M
 from runtime.evaluator import BackgroundEvaluator
 from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
 from runtime.queue import QueueClosed, SampleQueue
-from runtime.roles import (
-    EPOCH,
-    STOP,
-    ConsistencyProbe,
-    WorkItem,
-    build_engine,
-    from_bytes,
-    rollout_process,
-)
+from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
+from runtime.rollout_instance import rollout_process
 from runtime.samples import Sample
+from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler, LengthPredictor
 from runtime.weights import WeightService
 
 
 @dataclass(eq=False)
 class _Slot:
-    """One rollout process with its own work queue and result pipe."""
+    """One rollout instance process with its own work queue and result pipe."""
 
     rank: int
     proc: Any
     work_q: Any
     conn: Any  # the trainer's (receiving) end of the result pipe
-    outstanding: int = 0  # work items issued to it and not yet returned
+    outstanding: int = 0  # groups issued to it and not yet returned
     eof: bool = False  # its pipe is closed: the process is gone and everything it sent was read
     dead_since: float | None = None
     handled: bool = False  # its death was handled (work re-issued, replacement started)
+    last_seen: float = field(default_factory=time.monotonic)  # its last message (heartbeats included)
+    ready: bool = False  # it has built its engine (start-up, which may load a large model, is not timed)
+    hung: bool = False  # killed for silence
 
 
 class _AsyncState:
-    """Trainer-side bookkeeping of the rollout processes: who holds which work, what came back.
+    """Trainer-side bookkeeping of the rollout instances: who holds which group, what came back.
 
-    Every message of work gets a ticket; ``owner`` maps the tickets outstanding to (slot, issue
-    indices). A result is accepted only for a ticket still outstanding and held by the process
-    that sent it; a dead process's tickets and (at a rollback) all tickets are withdrawn, so their
-    late results are dropped and the work issued again is the only copy ever trained on.
+    Every group issued gets a ticket; ``owner`` maps the tickets outstanding to (slot, issue index).
+    A result is accepted only for a ticket still outstanding and held by the instance that sent it;
+    a dead instance's tickets and (at a rollback) all tickets are withdrawn, so their late results
+    are dropped and the work issued again is the only copy ever trained on. The dispatcher, length
+    predictor and bubble meter are updated here from each result message, under ``lock``.
     """
 
-    def __init__(self, queue: SampleQueue, weights: WeightService):
+    def __init__(self, queue: SampleQueue, weights: WeightService, spec: Any):
+        ranks = list(range(spec.resources.rollout_workers))
         self.queue = queue
         self.weights = weights
-        self.lock = threading.Lock()  # guards slots, owner, in_flight + queue puts against a checkpoint snapshot
+        self.group_size = spec.algorithm.group_size
+        self.task_name = spec.task.name
+        self.lock = threading.Lock()  # guards everything below + queue puts against a checkpoint snapshot
         self.slots: list[_Slot] = []
-        self.owner: dict[int, tuple[_Slot, list[int]]] = {}
+        self.owner: dict[int, tuple[_Slot, int]] = {}
         self.in_flight: dict[int, WorkItem] = {}
         self.next_ticket = 0
-        self.discarded = 0  # results dropped because their ticket was withdrawn
+        self.discarded = 0  # groups dropped because their ticket was withdrawn
         self.gen_s = 0.0
         self.gen_tokens = 0
+        self.dispatcher = Dispatcher(ranks)
+        self.predictor = LengthPredictor(spec.rollout.max_new_tokens, spec.rollout.length_prediction)
+        self.meter = BubbleMeter(ranks)
+        self.reward_dropped: list[int] = []  # issue indices of groups that lost a reward
+        self.reward_counts: dict[str, float] = {}
+        self.circuit_open: dict[int, float] = {}
         self.error: str | None = None
         self.done = False  # set once every rollout process has exited
+
+    def predicted_tokens(self, item: WorkItem) -> float:
+        """The group's predicted generation work: group size x predicted response length."""
+        p = item.prompt
+        return self.group_size * self.predictor.predict(p.prompt_id, self.task_name, len(p.text))
 
     def receive(self) -> None:
         """Receiver thread: rollout messages -> queue, until every process has exited and its pipe is drained."""
@@ -96,6 +111,8 @@ class _AsyncState:
                     with self.lock:
                         slot.eof = True
                     continue
+                slot.last_seen = time.monotonic()
+                slot.ready = True  # "ready" is its first message
                 try:
                     self._handle(slot, kind, rank, payload)
                 except Exception as exc:  # never die silently: the trainer would wait for samples for ever
@@ -109,35 +126,62 @@ class _AsyncState:
             blob, info = payload
             samples = unpack_samples(from_bytes(blob))
             with self.lock:
-                held = self.owner.get(info["ticket"])
-                if held is None or held[0] is not slot:  # withdrawn: a dead process's, or from before a rollback
-                    self.discarded += 1
+                self._account(slot, info)
+                accepted: set[int] = set()
+                for ticket in info["tickets"] + info["dropped"]:
+                    held = self.owner.get(ticket)
+                    if held is None or held[0] is not slot:  # withdrawn: a dead instance's, or from before a rollback
+                        self.discarded += 1
+                        continue
+                    del self.owner[ticket]
+                    item = self.in_flight.pop(held[1])
+                    slot.outstanding -= 1
+                    self.dispatcher.complete(slot.rank, ticket, 0.0, 0.0)
+                    if ticket in info["dropped"]:
+                        self.reward_dropped.append(item.index)
+                    else:
+                        accepted.add(item.index)
+                kept = [s for s in samples if s.group_id in accepted]
+                for s in kept:
+                    self.predictor.observe(s.prompt_id, self.task_name, len(s.prompt_ids), len(s.response_ids))
+                if not kept:
                     return
                 # never blocks: the trainer only issues work the queue has room for
                 try:
-                    if not self.queue.put(samples, timeout=60):
+                    if not self.queue.put(kept, timeout=60):
                         self.error = "sample queue stayed full for 60 s (credit accounting broken)"
-                        return
                 except QueueClosed:
                     return
-                del self.owner[info["ticket"]]
-                for index in held[1]:
-                    self.in_flight.pop(index, None)
-                slot.outstanding -= len(held[1])
-                self.gen_s += info["gen_s"]
-                self.gen_tokens += info["tokens"]
         elif kind == "error":
             self.error = f"rollout process {rank} failed:\n{payload}"
             self.queue.close()
 
+    def _account(self, slot: _Slot, info: dict[str, Any]) -> None:
+        """Throughput, bubbles and reward counters of one result message (work done, accepted or not)."""
+        self.gen_s += info["gen_s"]
+        self.gen_tokens += info["tokens"]
+        self.dispatcher.measure(slot.rank, info["tokens"], info["gen_s"])
+        self.meter.record_work(slot.rank, info["gen_s"], info["real"], info["allocated"])
+        for wait in info["waits"]:
+            self.meter.record_wait(wait)
+        for key, delta in info["reward"].items():
+            if key == "reward/circuit_open":
+                self.circuit_open[slot.rank] = delta
+            else:
+                self.reward_counts[key] = self.reward_counts.get(key, 0.0) + delta
+
     def withdraw(self, slot: _Slot | None = None) -> list[WorkItem]:
         """Take back the work held by ``slot`` (every slot's when None); caller holds the lock."""
         items: list[WorkItem] = []
-        for ticket, (holder, indices) in list(self.owner.items()):
+        for ticket, (holder, index) in list(self.owner.items()):
             if slot is None or holder is slot:
                 del self.owner[ticket]
-                holder.outstanding -= len(indices)
-                items.extend(self.in_flight.pop(i) for i in indices)
+                holder.outstanding -= 1
+                items.append(self.in_flight.pop(index))
+        if slot is None:
+            self.dispatcher.forget()
+        else:
+            self.dispatcher.remove(slot.rank)
         return sorted(items, key=lambda it: it.index)
 
     def take_gen_counters(self) -> tuple[float, int]:
@@ -145,6 +189,17 @@ class _AsyncState:
             out = (self.gen_s, self.gen_tokens)
             self.gen_s, self.gen_tokens = 0.0, 0
             return out
+
+    def step_metrics(self, active: list[int]) -> dict[str, float]:
+        """This step's bubbles, and the run's reward-service counters so far."""
+        with self.lock:
+            bubbles = self.meter.report(among=active)
+            out = {f"rollout/{k}": v for k, v in bubbles.items()}
+            out[M.SAMPLES_DROPPED_REWARD] = len(self.reward_dropped) * self.group_size
+            out.update(self.reward_counts)
+            if self.circuit_open:
+                out["reward/circuit_open"] = max(self.circuit_open.values())
+        return out
 
 
 def _death_reason(exitcode: int | None) -> str:
@@ -168,7 +223,14 @@ class AsyncMode:
         self.queue = SampleQueue(
             spec.queue_capacity, max_policy_lag=spec.pipeline.max_policy_lag, on_lag_exceeded=self.policy
         )
-        self.st = _AsyncState(self.queue, ctx.weights)
+        self.st = _AsyncState(self.queue, ctx.weights, spec)
+        r = spec.resources
+        self.scaler = InstanceScaler(
+            r.min_rollout_workers or r.rollout_workers,
+            r.rollout_workers,
+            spec.pipeline.scale_up_below,
+            spec.pipeline.scale_down_above,
+        )
         if ctx.resume_state is not None:
             self.queue.restore(unpack_queue(ctx.resume_state["queue"]))
             in_flight = [WorkItem.unpack(d) for d in ctx.resume_state["in_flight"]]
@@ -181,6 +243,8 @@ class AsyncMode:
         ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)  # every version a consumable sample can come from
         self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.G))
         self.restarts = [0] * spec.resources.rollout_workers
+        self.steps_done = ctx.start_step
+        ctx.trace["issued_to"] = []  # (steps done when issued, rollout rank) of every group issued
         self.evaluator: BackgroundEvaluator | None = None
         self.mp = torch.multiprocessing.get_context("spawn")
         self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
@@ -200,6 +264,7 @@ class AsyncMode:
         slot = _Slot(rank, proc, work_q, recv)
         with self.st.lock:
             self.st.slots.append(slot)
+            self.st.dispatcher.restore(rank)
         return slot
 
     def live_slots(self) -> list[_Slot]:
@@ -210,11 +275,17 @@ class AsyncMode:
         return {"rollout_pids": pids, "rollout_restarts": sum(self.restarts)}
 
     def supervise(self) -> None:
-        """Fail on a rollout error; replace a rollout process that died, issuing its work again."""
+        """Fail on a rollout error; replace a rollout process that died or went silent, issuing its work again."""
         if self.st.error:
             raise PipelineError(self.st.error)
         now = time.monotonic()
+        hang_s = self.ctx.spec.rollout.hang_timeout_s
         for slot in list(self.st.slots):
+            silent = slot.ready and now - slot.last_seen > hang_s
+            if silent and not slot.handled and slot.proc.exitcode is None:
+                slot.hung = True  # no message, not even a heartbeat: stuck in a device call, a deadlock
+                slot.proc.kill()
+                slot.proc.join(timeout=5)
             if slot.handled or slot.proc.exitcode is None:
                 continue
             if slot.dead_since is None:
@@ -227,6 +298,8 @@ class AsyncMode:
     def replace(self, slot: _Slot) -> None:
         ctx, rank = self.ctx, slot.rank
         reason = _death_reason(slot.proc.exitcode)
+        if slot.hung:
+            reason = f"sent nothing for rollout.hang_timeout_s={ctx.spec.rollout.hang_timeout_s:g} s and was killed"
         slot.handled = True
         with self.st.lock:
             items = self.st.withdraw(slot)
@@ -250,17 +323,25 @@ class AsyncMode:
         )
         ctx.publish_status(**self.rollout_status())
 
-    def top_up(self, next_take: int) -> None:
-        """Issue work while the queue has room for it (credits), each message within one step's share.
+    def active_ranks(self) -> list[int]:
+        """Ranks of the live instances that take new work: the first ``scaler.active`` of them."""
+        live = sorted(s.rank for s in self.live_slots() if s.proc.exitcode is None)
+        return live[: self.scaler.active]
 
+    def top_up(self, next_take: int) -> None:
+        """Issue work while the queue has room for it (credits), each round within one step's share.
+
+        Each group goes to the active instance that would finish it soonest (length-aware,
+        queue-aware dispatch); a round's groups travel as one message per instance.
         ``next_take``: the trainer version at its next ``take`` (the current one before this step's
         take, one more after it)."""
         ctx, st, G, B = self.ctx, self.st, self.G, self.B
         lag = ctx.spec.pipeline.max_policy_lag
         while True:
             with st.lock:
-                live = [s for s in self.live_slots() if s.proc.exitcode is None]
-                if not live:
+                live = {s.rank: s for s in self.live_slots() if s.proc.exitcode is None}
+                active = self.active_ranks()
+                if not active:
                     return  # replacements are started by supervise()
                 ahead = len(self.queue) + len(st.in_flight) * G
                 room = self.queue.capacity - ahead
@@ -272,14 +353,21 @@ class AsyncMode:
                 # with weights at most `lag` versions older than that
                 min_version = max(0, next_take + ahead // B - lag) if self.policy == "throttle" else 0
                 items = ctx.source.next(n, min_version=min_version)
-                slot = min(live, key=lambda s: (s.outstanding, s.rank))  # the least loaded process
-                ticket = st.next_ticket
-                st.next_ticket += 1
-                st.owner[ticket] = (slot, [it.index for it in items])
-                slot.outstanding += len(items)
+                messages: dict[int, list[tuple[int, dict]]] = {}
                 for it in items:
+                    cost = st.predicted_tokens(it)
+                    rank = cast(int, st.dispatcher.choose(cost, among=active))
+                    ticket = st.next_ticket
+                    st.next_ticket += 1
+                    st.dispatcher.assign(ticket, rank, cost)
+                    st.owner[ticket] = (live[rank], it.index)
+                    live[rank].outstanding += 1
                     st.in_flight[it.index] = it
-            slot.work_q.put((ticket, int(self.flags[EPOCH]), [it.pack() for it in items]))
+                    messages.setdefault(rank, []).append((ticket, it.pack()))
+                    ctx.trace["issued_to"].append((self.steps_done, rank))
+                epoch = int(self.flags[EPOCH])
+            for rank, entries in messages.items():
+                live[rank].work_q.put((epoch, entries))
 
     # ---- the loop ----
     def run(self) -> dict[str, Any]:
@@ -333,6 +421,10 @@ class AsyncMode:
                 ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, batch, gen_tokens)
                 ctx.last_metrics[M.QUEUE_DEPTH] = stats.depth
                 ctx.last_metrics[M.QUEUE_WATERMARK] = stats.high_water
+                ctx.last_metrics.update(st.step_metrics(self.active_ranks()))
+                ctx.last_metrics[M.ROLLOUT_ACTIVE] = self.scaler.active
+                self.steps_done = step
+                self.scale(step, queue.stats().high_water / queue.capacity)
                 queue.reset_watermark()
                 ctx.reporters.report(step, ctx.last_metrics)
                 self.collect_evals()
@@ -346,12 +438,22 @@ class AsyncMode:
         finally:
             self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != "cancelled")
         with st.lock:
+            ctx.trace["reward_dropped"] = list(st.reward_dropped)
             ctx.trace["leftover"] = sorted(
                 {s.group_id for s in queue.snapshot()["items"]}
                 | set(st.in_flight)
                 | {w.index for w in ctx.source.reissue}
             )
         return ctx.finish(step)
+
+    def scale(self, step: int, fill: float) -> None:
+        """Dynamic parallelism: follow the queue watermark; report when the active count changes."""
+        before = self.scaler.active
+        after = self.scaler.update(fill)
+        if after != before:
+            self.ctx.reporters.event(
+                "rollout_scaled", {"step": step, "active": after, "was": before, "watermark_fill": fill}
+            )
 
     def shutdown(self, receiver: threading.Thread, wait_eval: bool) -> None:
         st = self.st

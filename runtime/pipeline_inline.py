@@ -14,12 +14,14 @@ from typing import Any
 import torch
 
 from runtime import metrics as M
-from runtime.pipeline import RunContext, pack_queue
+from runtime.pipeline import PipelineError, RunContext, pack_queue
 from runtime.queue import SampleQueue
 from runtime.roles import (
     RolloutWorker,
     build_engine,
 )
+
+REWARD_ROUNDS = 3  # rounds of fresh prompts a step asks for while the reward service drops groups
 
 
 class InlineMode:
@@ -61,12 +63,10 @@ class InlineMode:
         while step < spec.pipeline.steps:
             timer = M.StepTimer()
             started = time.perf_counter()
-            items = ctx.source.next(P, min_version=ctx.weights.version)
             with timer.section("generate"):
                 if offload:
                     trainer.offload_optimizer()
-                with torch.no_grad():
-                    samples, gen_tokens = self.worker.generate(items)
+                samples, gen_tokens = self.generate(P, step)
                 if offload:
                     trainer.reload_optimizer()
             with timer.section("train"):
@@ -80,6 +80,9 @@ class InlineMode:
             ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, samples, gen_tokens)
             ctx.last_metrics[M.QUEUE_DEPTH] = 0
             ctx.last_metrics[M.QUEUE_WATERMARK] = len(samples)
+            if self.worker.reward is not None:  # the run's reward-service counters so far
+                ctx.last_metrics.update(self.worker.reward.metrics())
+                ctx.last_metrics[M.SAMPLES_DROPPED_REWARD] = len(self.worker.dropped) * spec.algorithm.group_size
             ctx.reporters.report(step, ctx.last_metrics)
             ctx.publish_status(step)
             nxt = ctx.boundary(step, self)
@@ -87,6 +90,28 @@ class InlineMode:
                 break
             step = nxt
         return ctx.finish(step)
+
+    def generate(self, prompts: int, step: int) -> tuple[list[Any], int]:
+        """This step's samples: ``prompts`` groups, minus groups the reward service dropped, which are
+        replaced with fresh prompts for up to ``REWARD_ROUNDS`` rounds (a step trains on what it got)."""
+        ctx, samples, tokens, missing = self.ctx, [], 0, prompts
+        for _ in range(REWARD_ROUNDS):
+            items = ctx.source.next(missing, min_version=ctx.weights.version)
+            before = len(self.worker.dropped)
+            with torch.no_grad():
+                got, n = self.worker.generate(items)
+            samples.extend(got)
+            tokens += n
+            missing = len(self.worker.dropped) - before
+            if not missing:
+                break
+        ctx.trace["reward_dropped"] = list(self.worker.dropped)
+        if not samples:
+            raise PipelineError(
+                f"step {step + 1}: the reward service at reward.url gave no reward for any sample in "
+                f"{REWARD_ROUNDS} rounds of prompts; see the reward/* metrics"
+            )
+        return sorted(samples, key=lambda s: s.sample_id), tokens
 
     # ---- _Mode ----
     def evaluate(self, step: int) -> None:  # at the step boundary, timed apart from the step (time/eval)

@@ -98,8 +98,46 @@ def batch_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def make_samples(
+    item: WorkItem, prompt_ids: list[int], completions: list[Any], scores: list[tuple[float, bool]]
+) -> list[Sample]:
+    """The group's ``Sample``s: one per completion (in sample order), ids derived from the issue index."""
+    group_size = len(completions)
+    return [
+        Sample(
+            sample_id=item.index * group_size + j,
+            prompt_id=item.prompt.prompt_id,
+            group_id=item.index,
+            prompt_ids=prompt_ids,
+            response_ids=list(c.token_ids),
+            logprobs=[float(x) for x in c.logprobs],
+            versions=[int(v) for v in c.versions],
+            finish_reason=c.finish_reason,
+            reward=float(reward),
+            correct=bool(correct),
+        )
+        for j, (c, (reward, correct)) in enumerate(zip(completions, scores, strict=True))
+    ]
+
+
+def reward_scores(task: Any, prompt: Prompt, texts: list[str], results: list[Any]) -> list[tuple[float, bool]] | None:
+    """Scores from the reward service's ``results`` for one group, or None when one is missing (the
+    group is dropped whole: GRPO normalises over all its samples). Correctness comes from the
+    service when it says, else from the task's verifier."""
+    if any(r.dropped for r in results):
+        return None
+    return [
+        (r.reward, r.correct if r.correct is not None else bool(task.score(prompt, t)[1]))
+        for r, t in zip(results, texts, strict=True)
+    ]
+
+
 class RolloutWorker:
-    """Generation and reward for a list of work items (one engine, one task)."""
+    """Generation and reward for a list of work items (one engine, one task), in the caller's process.
+
+    Rewards come from the task's verifier, or from the remote reward service when ``reward.url``
+    is set; a group that lost a reward there is left out and its issue index added to ``dropped``.
+    """
 
     def __init__(self, spec: RunSpec, engine: Any, tokenizer: Any, task: Any, device: torch.device):
         from runtime.rollout.engine import SamplingParams
@@ -121,6 +159,12 @@ class RolloutWorker:
         )
         # prompts per engine call: a whole number of groups within the engine's batch size
         self.prompts_per_batch = max(1, r.max_batch_size // self.group_size)
+        self.reward = None
+        if spec.reward.url:
+            from runtime.tasks.reward_service import RewardClient
+
+            self.reward = RewardClient.from_spec(spec.reward)
+        self.dropped: list[int] = []  # issue indices of groups whose reward the service did not give
 
     def generate(self, items: list[WorkItem]) -> tuple[list[Sample], int]:
         """Samples for ``items`` (``group_size`` per prompt, ids from the issue index); also the tokens generated."""
@@ -132,29 +176,25 @@ class RolloutWorker:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(batch_seed(self.spec.seed, chunk[0].index))
             completions = self.engine.generate(prompt_ids, self.params, generator=gen)
-            seen: dict[int, int] = {}
-            for c in completions:
-                item = chunk[c.prompt_index]
-                j = seen.get(c.prompt_index, 0)
-                seen[c.prompt_index] = j + 1
-                reward, correct = self.task.score(item.prompt, self.tokenizer.decode(list(c.token_ids)))
+            groups: list[list[Any]] = [[] for _ in chunk]
+            for c in completions:  # in prompt order, each prompt's samples in order
+                groups[c.prompt_index].append(c)
                 tokens += len(c.token_ids)
-                samples.append(
-                    Sample(
-                        sample_id=item.index * self.group_size + j,
-                        prompt_id=item.prompt.prompt_id,
-                        group_id=item.index,
-                        prompt_ids=prompt_ids[c.prompt_index],
-                        response_ids=list(c.token_ids),
-                        logprobs=[float(x) for x in c.logprobs],
-                        versions=[int(v) for v in c.versions],
-                        finish_reason=c.finish_reason,
-                        reward=float(reward),
-                        correct=bool(correct),
-                    )
-                )
+            for item, ids, group in zip(chunk, prompt_ids, groups, strict=True):
+                texts = [self.tokenizer.decode(list(c.token_ids)) for c in group]
+                scores = self.score(item, texts)
+                if scores is None:
+                    self.dropped.append(item.index)
+                    continue
+                samples.extend(make_samples(item, ids, group, scores))
         samples.sort(key=lambda s: s.sample_id)  # groups contiguous, in issue order
         return samples, tokens
+
+    def score(self, item: WorkItem, texts: list[str]) -> list[tuple[float, bool]] | None:
+        if self.reward is None:
+            return [self.task.score(item.prompt, t) for t in texts]
+        p = item.prompt
+        return reward_scores(self.task, p, texts, self.reward.score_many([(p.text, t, p.answer) for t in texts]))
 
 
 @dataclass
@@ -219,87 +259,7 @@ def rollout_device_index(spec: RunSpec, rank: int) -> int:
 
 
 STOP, EPOCH = 0, 1  # indices into the shared flags of the rollout processes (a lock-free RawArray)
-
-
-def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, conn: Any, flags: Any, threads: int) -> None:
-    """Entry point of one rollout process: its own engine and threads, weights from the shared buffer.
-
-    Its own ``work_q`` brings messages ``(ticket, epoch, [packed WorkItem])`` (or None: exit); results
-    go back on its own pipe ``conn`` as ``("samples", rank, (blob, info))`` with the message's ticket
-    in ``info``. Nothing here is shared with the other rollout processes except the weight buffer
-    (whose lock the trainer frees if we die holding it) and ``flags`` (no lock at all), so a
-    process killed at any moment leaves the others and the trainer working.
-
-    Loop: take a message; skip it when it was issued before a rollback (``epoch`` is no longer
-    ``flags[EPOCH]``: the trainer has forgotten it); wait until weights at least as new as the
-    batch's ``min_version`` are available (throttle); switch to the latest version (a batch
-    boundary); generate and score; send the packed samples back. Exits on ``None``, when
-    ``flags[STOP]`` is set, or when the trainer process is gone.
-    """
-    import os
-    import queue as std_queue
-    import time
-    import traceback
-
-    from runtime.devices import resolve_device, set_threads
-    from runtime.models import build_policy
-    from runtime.queue import pack_samples
-    from runtime.spec import validate_spec
-    from runtime.weights import WeightSubscriber
-
-    trainer_pid = os.getppid()
-
-    def ended() -> bool:  # the run stops, or the trainer was killed (we are orphaned)
-        return bool(flags[STOP]) or os.getppid() != trainer_pid
-
-    try:
-        set_threads(threads)
-        spec = validate_spec(spec_data)
-        device = resolve_device(spec.resources.device, rollout_device_index(spec, rank))
-        policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
-        policy.eval()
-        engine = build_engine(policy, tokenizer, device, spec)
-        worker = RolloutWorker(spec, engine, tokenizer, build_task(spec), device)
-        sub = WeightSubscriber(shared, current_version=-1)
-        conn.send(("ready", rank, os.getpid()))
-        while not ended():
-            try:
-                msg = work_q.get(timeout=0.2)
-            except std_queue.Empty:
-                continue
-            if msg is None:
-                break
-            ticket, epoch, packed = msg
-            if epoch != flags[EPOCH]:
-                continue
-            items = [WorkItem.unpack(d) for d in packed]
-            need = max(it.min_version for it in items)
-            waited = time.perf_counter()
-            while not sub.wait_for(need, timeout=0.2):
-                if ended() or epoch != flags[EPOCH]:
-                    break
-            if ended() or epoch != flags[EPOCH]:
-                continue
-            waited = time.perf_counter() - waited
-            sub.switch(engine.update_weights)  # batch boundary: take the latest available version
-            started = time.perf_counter()
-            with torch.no_grad():
-                samples, tokens = worker.generate(items)
-            elapsed = time.perf_counter() - started
-            info = {"ticket": ticket, "gen_s": elapsed, "tokens": tokens, "throttled_s": waited}
-            conn.send(("samples", rank, (to_bytes(pack_samples(samples)), info)))
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the trainer is gone: nobody to report to
-    except BaseException:  # the trainer turns this into a clear error and stops the run
-        try:
-            conn.send(("error", rank, traceback.format_exc()))
-        except OSError:
-            pass
-    finally:
-        try:
-            conn.send(("exit", rank, None))
-        except OSError:
-            pass
+# the rollout process itself: runtime.rollout_instance
 
 
 class ConsistencyProbe:
@@ -310,6 +270,11 @@ class ConsistencyProbe:
     comparison would mix numerical mismatch with policy drift. The probe re-scores up to
     ``max_samples`` samples of one version with *that version's* weights (kept by the weight
     service) in a model of its own, using the trainer's scoring function.
+
+    A sample whose generation straddled a weight update has a prefix of tokens from its first
+    version and the rest from newer ones (whose attention read cache entries the older weights
+    wrote, which no single forward reproduces); only that prefix is compared — it was computed,
+    prompt included, entirely by the first version.
     """
 
     def __init__(self, spec: RunSpec, device: torch.device, max_samples: int):
@@ -328,18 +293,20 @@ class ConsistencyProbe:
         from runtime.models import token_logprobs
 
         kept = set(weights.versions())
-        single = [s for s in samples if s.versions and min(s.versions) == max(s.versions) and s.version in kept]
-        if not single:
+        usable = [s for s in samples if s.versions and s.version in kept]
+        if not usable:
             return {}
-        version = max(s.version for s in single)
-        picked = [s for s in single if s.version == version][: self.max_samples]
+        version = max(s.version for s in usable)
+        picked = [s for s in usable if s.version == version][: self.max_samples]
+        # the first version's prefix of each response (versions never decrease along a response)
+        prefix = [next((t for t, v in enumerate(s.versions) if v != version), len(s.versions)) for s in picked]
         if self._loaded != version:
             params = self.model.state_dict()
             for name, tensor in weights.state(version).items():
                 params[name].copy_(tensor)
             self._loaded = version
         # one right-padded forward; positions count real tokens, as in the trainer's scoring
-        rows = [s.prompt_ids + s.response_ids for s in picked]
+        rows = [s.prompt_ids + s.response_ids[:n] for s, n in zip(picked, prefix, strict=True)]
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -348,8 +315,8 @@ class ConsistencyProbe:
             mask[i, : len(r)] = 1
         logp = token_logprobs(self.model, ids.to(self.device), mask.to(self.device), temperature=self.temperature)
         engine, trainer = [], []
-        for i, s in enumerate(picked):
+        for i, (s, n) in enumerate(zip(picked, prefix, strict=True)):
             start = len(s.prompt_ids) - 1
-            trainer.append(logp[i, start : start + len(s.response_ids)].tolist())
-            engine.append(s.logprobs)
+            trainer.append(logp[i, start : start + n].tolist())
+            engine.append(s.logprobs[:n])
         return consistency_metrics(engine, trainer)

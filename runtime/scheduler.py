@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -233,13 +233,23 @@ class Dispatcher:
         self.smoothing = smoothing
         self.instances = {i: InstanceState(i, initial_throughput) for i in instance_ids}
 
+    def throughput(self, instance_id: Hashable) -> float:
+        """Measured tokens/s; an instance not measured yet is assumed as fast as the measured ones'
+        mean (were it left at ``initial_throughput``, one fast first measurement elsewhere would starve it)."""
+        st = self.instances[instance_id]
+        if st.measured:
+            return st.throughput
+        measured = [o.throughput for o in self.instances.values() if o.measured]
+        return sum(measured) / len(measured) if measured else st.throughput
+
     def estimated_completion(self, instance_id: Hashable, extra_tokens: float = 0.0) -> float:
         st = self.instances[instance_id]
-        return (st.queued_tokens + extra_tokens) / st.throughput
+        return (st.queued_tokens + extra_tokens) / self.throughput(instance_id)
 
-    def choose(self, tokens: float) -> Hashable:
-        """The live instance that would finish ``tokens`` more work soonest (ties: first listed)."""
-        live = [i for i, st in self.instances.items() if st.alive]
+    def choose(self, tokens: float, among: Collection[Hashable] | None = None) -> Hashable:
+        """The live instance (of ``among``, when given) that would finish ``tokens`` more work soonest
+        (ties: first listed)."""
+        live = [i for i, st in self.instances.items() if st.alive and (among is None or i in among)]
         if not live:
             raise RuntimeError("no live rollout instance to dispatch to")
         return min(live, key=lambda i: self.estimated_completion(i, tokens))
@@ -262,11 +272,21 @@ class Dispatcher:
         """A group finished: ``tokens_done`` tokens generated in ``busy_s`` seconds of the instance's time."""
         st = self.instances[instance_id]
         st.queued_tokens = max(0.0, st.queued_tokens - st.in_flight.pop(group_id, 0.0))
-        if busy_s > 0 and tokens_done > 0:
-            rate = tokens_done / busy_s
+        self.measure(instance_id, tokens_done, busy_s)
+
+    def measure(self, instance_id: Hashable, tokens: float, busy_s: float) -> None:
+        """Fold ``tokens`` generated in ``busy_s`` seconds into the instance's throughput estimate."""
+        st = self.instances[instance_id]
+        if busy_s > 0 and tokens > 0:
             a = 1.0 if not st.measured else self.smoothing
-            st.throughput = a * rate + (1 - a) * st.throughput
+            st.throughput = a * tokens / busy_s + (1 - a) * st.throughput
             st.measured = True
+
+    def forget(self) -> None:
+        """Every instance's queue is empty again (all in-flight work withdrawn, e.g. at a rollback)."""
+        for st in self.instances.values():
+            st.in_flight.clear()
+            st.queued_tokens = 0.0
 
     def remove(self, instance_id: Hashable) -> list[Hashable]:
         """Take a dead instance out of dispatch; returns its in-flight group ids to re-dispatch."""
@@ -281,6 +301,37 @@ class Dispatcher:
         """A restarted instance takes work again (with a fresh throughput estimate)."""
         st = self.instances[instance_id]
         st.alive, st.measured = True, False
+
+
+class InstanceScaler:
+    """Dynamic parallelism: how many rollout instances take new work, following the queue watermark.
+
+    After each training step, ``update(watermark_fill)`` — the queue's high-water mark since the
+    previous step as a fraction of its capacity — adds one active instance when the fill stayed
+    below ``scale_up_below`` (the trainer is starving: more generation capacity) and parks one
+    when it reached ``scale_down_above`` (samples pile up: give capacity back), within
+    ``[minimum, maximum]``. One instance per step at most, so a single noisy step moves little.
+    A parked instance finishes the work it holds and takes no more.
+    """
+
+    def __init__(self, minimum: int, maximum: int, scale_up_below: float, scale_down_above: float):
+        if not 1 <= minimum <= maximum:
+            raise ValueError(f"resources.min_rollout_workers: need 1 <= {minimum} <= rollout_workers ({maximum})")
+        if not 0 <= scale_up_below < scale_down_above <= 1:
+            raise ValueError(
+                f"pipeline.scale_up_below ({scale_up_below}) must be below scale_down_above ({scale_down_above})"
+            )
+        self.minimum, self.maximum = minimum, maximum
+        self.low, self.high = scale_up_below, scale_down_above
+        self.active = maximum  # start with full generation capacity: the queue is empty at the start
+
+    def update(self, watermark_fill: float) -> int:
+        """The active count after a step whose queue watermark was ``watermark_fill`` (0..1)."""
+        if watermark_fill < self.low and self.active < self.maximum:
+            self.active += 1
+        elif watermark_fill >= self.high and self.active > self.minimum:
+            self.active -= 1
+        return self.active
 
 
 class BubbleMeter:
@@ -307,8 +358,11 @@ class BubbleMeter:
         """Time one request waited in a queue before an instance started it."""
         self.waits.append(max(0.0, wait_s))
 
-    def report(self) -> dict[str, float]:
-        out = bubble_metrics(self.busy, sum(self.real.values()), sum(self.allocated.values()), self.waits)
+    def report(self, among: Collection[Hashable] | None = None) -> dict[str, float]:
+        """This step's figures; skewness over the instances ``among`` (default all: e.g. the active ones,
+        since a parked instance is idle by design)."""
+        busy = self.busy if among is None else {i: b for i, b in self.busy.items() if i in among}
+        out = bubble_metrics(busy, sum(self.real.values()), sum(self.allocated.values()), self.waits)
         for i in self.instance_ids:
             pad = 1.0 - self.real[i] / self.allocated[i] if self.allocated[i] else 0.0
             out[f"instance/{i}/busy_s"] = self.busy[i]
@@ -408,7 +462,7 @@ class Scheduler:
         planned = {i: instances[i].queued_tokens for i in live}
         share: dict[Hashable, list[Request]] = {i: [] for i in live}
         for r in sorted(requests, key=lambda r: r.cost, reverse=True):
-            target = min(live, key=lambda i: (planned[i] + r.cost) / instances[i].throughput)
+            target = min(live, key=lambda i: (planned[i] + r.cost) / self.dispatcher.throughput(i))
             share[target].append(r)
             planned[target] += r.cost
         for inst in live:

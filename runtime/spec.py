@@ -139,6 +139,9 @@ class RolloutSpec(_Section):
     )
     num_buckets: int = Field(4, ge=1, le=64, description="Buckets derived from observed length quantiles.")
     mix_long_short: bool = Field(True, description="Mix long and short requests into balanced scheduling groups.")
+    hang_timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="Async: a rollout instance silent this long is killed and replaced."
+    )
 
     @field_validator("max_batch_tokens")
     @classmethod
@@ -184,6 +187,18 @@ class PipelineSpec(_Section):
     )
     eval_interval: int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
     offload_optimizer: bool = Field(False, description="Colocated: move optimizer state to host during generation.")
+    transfer_max_bytes: int = Field(
+        1 << 20, ge=1, le=1 << 34, description="Async: finished groups are sent once this many packed bytes wait."
+    )
+    transfer_window_s: float = Field(
+        0.05, ge=0, le=60, description="Async: ... or once the oldest finished group has waited this long."
+    )
+    scale_up_below: float = Field(
+        0.25, ge=0, le=1, description="Async: add a rollout instance when the queue watermark stays below this fill."
+    )
+    scale_down_above: float = Field(
+        0.9, ge=0, le=1, description="Async: park a rollout instance when the queue watermark reaches this fill."
+    )
 
 
 class ResourcesSpec(_Section):
@@ -192,7 +207,15 @@ class ResourcesSpec(_Section):
     rollout_devices: int = Field(
         0, ge=0, le=4096, description="Devices for rollout instances; 0 = share the trainer's (colocated/CPU)."
     )
-    rollout_workers: int = Field(1, ge=1, le=4096, description="Rollout instances (processes).")
+    rollout_workers: int = Field(
+        1, ge=1, le=4096, description="Rollout instances (processes); the most active at once."
+    )
+    min_rollout_workers: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Async: fewest active rollout instances; below rollout_workers the count follows the queue.",
+    )
     eval_devices: int = Field(0, ge=0, le=64, description="Devices of a separate evaluator (0 = none).")
     threads_per_process: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
     max_restarts: int = Field(
@@ -260,6 +283,30 @@ class RunSpec(_Section):
             )
         if self.model.path is None and self.model.builtin is None:
             errors.append({"field": "model", "message": "set either `builtin` or `path`"})
+        if self.pipeline.mode == "async" and self.rollout.max_batch_size < self.algorithm.group_size:
+            errors.append(
+                {
+                    "field": "rollout.max_batch_size",
+                    "message": f"async mode starts a group's samples together: {self.rollout.max_batch_size} slots "
+                    f"cannot hold a group of algorithm.group_size={self.algorithm.group_size}",
+                }
+            )
+        low = self.resources.min_rollout_workers
+        if low is not None and low > self.resources.rollout_workers:
+            errors.append(
+                {
+                    "field": "resources.min_rollout_workers",
+                    "message": f"{low} is more than resources.rollout_workers ({self.resources.rollout_workers})",
+                }
+            )
+        if self.pipeline.scale_up_below >= self.pipeline.scale_down_above:
+            errors.append(
+                {
+                    "field": "pipeline.scale_up_below",
+                    "message": f"{self.pipeline.scale_up_below} must be below pipeline.scale_down_above "
+                    f"({self.pipeline.scale_down_above})",
+                }
+            )
         if errors:
             raise _CombinationError(errors)
         return self

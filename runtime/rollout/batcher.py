@@ -8,7 +8,7 @@ requests into free slots (prefilled together, right-padded) and samples their fi
 records the weight version current at its step.
 
 Admission keeps the live tokens under the engine's ``max_batch_tokens`` (each request reserves its
-prompt plus its ``max_new_tokens``; one request is always admitted into an empty batcher) and the
+prompt plus its ``max_new_tokens``; one request, or group, is always admitted into an empty batcher) and the
 live sequences under ``max_batch_size`` slots. ``refill=False`` gives static batching (a new batch only
 when every slot is empty, finished rows computed until the batch ends) — the baseline the benchmark
 compares against.
@@ -100,10 +100,12 @@ class ContinuousBatcher:
         self.refill = refill
         self.stats = BatchStats()
         self.slots: list[_Live | None] = [None] * engine.max_batch_size
-        self._waiting: deque[tuple[Any, list[int], int]] = deque()
+        # each entry a gang: requests admitted together or not at all (one request, or a submit_group)
+        self._waiting: deque[list[tuple[Any, list[int], int]]] = deque()
         self._lock = threading.Lock()
         self._allocated = False
         self._static_rows = 0
+        self.admitted: list[Any] = []  # tags admitted into a slot since the caller last cleared it (queue waits)
         stops = set(params.stop_ids)
         if not params.ignore_eos:
             stops.add(engine.tokenizer.eos_id)
@@ -120,11 +122,23 @@ class ContinuousBatcher:
                 raise ValueError(f"max_new_tokens must be in [1, {limit}], got {max_new_tokens}")
             limit = max_new_tokens
         with self._lock:
-            self._waiting.append((tag, list(prompt_ids), limit))
+            self._waiting.append([(tag, list(prompt_ids), limit)])
+
+    def submit_group(self, requests: list[tuple[list[int], Any]]) -> None:
+        """Queue ``(prompt_ids, tag)`` requests admitted into slots at the same step, or not at all — e.g.
+        a GRPO group, whose samples then all start on the same weights (one staleness for the group)."""
+        if not 1 <= len(requests) <= len(self.slots):
+            raise ValueError(
+                f"a group of {len(requests)} requests does not fit {len(self.slots)} slots (max_batch_size)"
+            )
+        self.engine._check_prompts([ids for ids, _ in requests], self.params)
+        limit = self.params.max_new_tokens
+        with self._lock:
+            self._waiting.append([(tag, list(ids), limit) for ids, tag in requests])
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return sum(map(len, self._waiting))
 
     @property
     def num_live(self) -> int:
@@ -139,7 +153,21 @@ class ContinuousBatcher:
         """Whether a request submitted now could be admitted at the next step (for lazy feeding)."""
         if not self.refill and self.num_live:
             return False
-        return len(self._waiting) < len(self.slots) - self.num_live
+        return self.num_waiting < len(self.slots) - self.num_live
+
+    def cancel(self, drop: Callable[[Any], bool]) -> int:
+        """Forget every waiting and live request whose tag ``drop`` accepts (work nobody wants any more,
+        e.g. issued before a rollback); their slots are free at the next step. Returns how many."""
+        with self._lock:
+            count = self.num_waiting
+            gangs = ([r for r in gang if not drop(r[0])] for gang in self._waiting)
+            self._waiting = deque(gang for gang in gangs if gang)
+            count -= self.num_waiting
+        for r, s in enumerate(self.slots):
+            if s is not None and drop(s.tag):
+                self.slots[r] = None
+                count += 1
+        return count
 
     # ----- stepping ------------------------------------------------------------------------------
     def step(self) -> list[tuple[Any, Completion]]:
@@ -220,22 +248,22 @@ class ContinuousBatcher:
         engine, budget = self.engine, self.engine.max_batch_tokens
         taken: list[tuple[int, _Live, list[int]]] = []
         with self._lock:
-            while self._waiting and len(taken) < len(free):
-                tag, ids, limit = self._waiting[0]
-                max_new = min(limit, engine.max_positions - len(ids))
-                need = len(ids) + max_new
+            while self._waiting and len(taken) + len(self._waiting[0]) <= len(free):
+                gang = [(tag, ids, min(limit, engine.max_positions - len(ids))) for tag, ids, limit in self._waiting[0]]
+                need = sum(len(ids) + max_new for _, ids, max_new in gang)
                 if (taken or reserved) and reserved + need > budget:
                     break  # FIFO: the head waits for room rather than being overtaken
                 self._waiting.popleft()
                 reserved += need
-                taken.append((free[len(taken)], _Live(tag, len(ids), max_new, len(ids)), ids))
+                for tag, ids, max_new in gang:
+                    taken.append((free[len(taken)], _Live(tag, len(ids), max_new, len(ids)), ids))
         if not taken:
             return
         width = max(s.reserved for _, s, _ in taken)
         owner = engine._cache_owner
         if owner is not self and owner is not None and not owner.idle:
             with self._lock:  # put them back: this batcher has not started
-                self._waiting.extendleft((s.tag, ids, s.max_new) for _, s, ids in reversed(taken))
+                self._waiting.extendleft([(s.tag, ids, s.max_new)] for _, s, ids in reversed(taken))
             raise RuntimeError("another batcher of this engine still has sequences in flight; one at a time")
         engine._cache_owner = self
         if not self._allocated:
@@ -248,6 +276,7 @@ class ContinuousBatcher:
         logits, computed = engine.runner.prefill(prompts, slots, engine.tokenizer.pad_id)
         for r, s, _ in taken:
             self.slots[r] = s
+            self.admitted.append(s.tag)
         if not self.refill:
             self._static_rows = max(slots) + 1
         plen = sum(map(len, prompts))

@@ -33,6 +33,9 @@ clip_fraction grad_norm lr response_len/mean response_len/max staleness/mean sta
 queue/watermark samples/dropped_stale throughput/gen_tokens_per_s throughput/train_tokens_per_s
 throughput/samples_per_s time/generate time/train time/weight_sync time/wait bubble/trainer train/padding_ratio
 consistency/logprob_diff_mean consistency/logprob_diff_max consistency/kl weights/version""".split()
+# the rollout bubbles and dynamic parallelism of the multi-instance rollout, and reward-service drops
+CONTRACT_NAMES += """rollout/padding_ratio rollout/skewness rollout/sorting_wait rollout/active_instances
+samples/dropped_reward""".split()
 
 
 def test_metric_names_are_exactly_the_contract_ones_with_meanings():

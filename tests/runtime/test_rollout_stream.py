@@ -1,0 +1,173 @@
+"""The multi-instance rollout of async mode, piece by piece: aggregated packed transfer, cancelling
+and admission records of the continuous batcher, the dynamic-parallelism scaler, and dispatch
+restricted to the active instances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models import build_policy
+from runtime.queue import pack_samples
+from runtime.rollout import Engine, SamplingParams
+from runtime.samples import Sample
+from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler
+from runtime.spec import ModelSpec
+from runtime.transfer import Aggregator, sample_nbytes
+
+torch.set_num_threads(1)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def sample(i, prompt_len=3, response_len=2):
+    return Sample(
+        sample_id=i,
+        prompt_id=i,
+        group_id=i,
+        prompt_ids=list(range(prompt_len)),
+        response_ids=list(range(response_len)),
+        logprobs=[-0.5] * response_len,
+        versions=[1] * response_len,
+        finish_reason="stop",
+    )
+
+
+# ----- aggregation -----------------------------------------------------------------------------------------
+def test_aggregator_flushes_by_size_before_the_window():
+    clock = Clock()
+    agg = Aggregator(max_bytes=100, window_s=10.0, nbytes=len, clock=clock)
+    assert not agg.due() and agg.flush() == []
+    agg.add("a" * 60)
+    assert not agg.due()  # 60 bytes, window not over
+    agg.add("b" * 39)
+    assert not agg.due()  # 99 bytes
+    agg.add("c")
+    assert agg.due()  # 100 bytes: at the threshold, at once
+    assert agg.flush() == ["a" * 60, "b" * 39, "c"]  # oldest first
+    assert (len(agg), agg.bytes, agg.due()) == (0, 0, False)
+
+
+def test_aggregator_flushes_by_time_from_the_oldest_entry():
+    clock = Clock()
+    agg = Aggregator(max_bytes=1 << 20, window_s=0.5, nbytes=len, clock=clock)  # binary fractions: exact
+    agg.add("x")
+    clock.now += 0.375
+    agg.add("y")  # a newer entry does not restart the window
+    assert not agg.due()
+    clock.now += 0.125
+    assert agg.due()
+    assert agg.flush() == ["x", "y"]
+    clock.now += 5
+    assert not agg.due()  # empty: nothing is ever due
+    agg.add("z")
+    assert not agg.due()  # the window starts at the first entry after a flush
+
+
+def test_a_zero_window_sends_each_entry_at_once():
+    agg = Aggregator(max_bytes=1 << 20, window_s=0.0, nbytes=len, clock=Clock())
+    agg.add("x")
+    assert agg.due()
+
+
+@pytest.mark.parametrize(("max_bytes", "window", "field"), [(0, 0.1, "transfer_max_bytes"), (1, -1, "window_s")])
+def test_aggregator_rejects_bad_thresholds_naming_the_field(max_bytes, window, field):
+    with pytest.raises(ValueError, match=field):
+        Aggregator(max_bytes=max_bytes, window_s=window, nbytes=len)
+
+
+def test_sample_nbytes_is_the_packed_size_without_extras():
+    samples = [sample(0, 3, 2), sample(1, 1, 0), sample(2, 7, 11)]  # an empty response included
+    packed = pack_samples(samples)
+    tensors = sum(v.numel() * v.element_size() for v in packed.values() if isinstance(v, torch.Tensor))
+    assert sample_nbytes(samples) == tensors
+    # packed moves no padding: against rows padded to the longest prompt and response
+    padded = len(samples) * (8 * 7 + 24 * 11 + 50)
+    assert sample_nbytes(samples) < padded
+
+
+# ----- the batcher under streaming -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def policy():
+    return build_policy(ModelSpec(builtin="tiny-qwen2"), "cpu", seed=3)
+
+
+def test_cancelled_requests_free_their_slots_and_the_rest_generate_as_alone(policy):
+    model, tok = policy
+    params = SamplingParams(8, temperature=0, ignore_eos=True)
+    prompts = {tag: tok.encode_prompt(text) for tag, text in enumerate(["abc=", "hello=", "xy", "reverse:ab="])}
+    engine = Engine(model, tok, "cpu", max_batch_size=2)
+    batcher = engine.batcher(params)
+    for tag, ids in prompts.items():
+        batcher.submit(ids, tag)
+    batcher.step()  # admits 0 and 1 into the two slots
+    assert sorted(batcher.admitted) == [0, 1] and batcher.num_waiting == 2
+    batcher.admitted.clear()
+    assert batcher.cancel(lambda tag: tag in (1, 2)) == 2  # one live, one waiting
+    assert (batcher.num_live, batcher.num_waiting) == (1, 1)
+    done = {}
+    while not batcher.idle:
+        done.update(batcher.step())
+    assert sorted(done) == [0, 3] and batcher.admitted == [3]
+    for tag in (0, 3):  # greedy: the same tokens as generating the prompt alone
+        alone = Engine(model, tok, "cpu").generate([prompts[tag]], params)[0]
+        assert done[tag].token_ids == alone.token_ids
+
+
+# ----- dynamic parallelism and dispatch --------------------------------------------------------------------
+def test_scaler_follows_the_watermark_one_instance_per_step_within_bounds():
+    s = InstanceScaler(minimum=1, maximum=3, scale_up_below=0.25, scale_down_above=0.9)
+    assert s.active == 3  # full capacity at the start, when the queue is empty
+    assert [s.update(f) for f in (0.1, 0.95, 1.0, 1.0, 0.5, 0.2, 0.0, 0.0, 0.9)] == [3, 2, 1, 1, 1, 2, 3, 3, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ((0, 2, 0.2, 0.9), "min_rollout_workers"),
+        ((3, 2, 0.2, 0.9), "min_rollout_workers"),
+        ((1, 2, 0.9, 0.9), "scale_up_below"),
+    ],
+)
+def test_scaler_rejects_bad_bounds_naming_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        InstanceScaler(*args)
+
+
+def test_dispatch_among_active_instances_and_forget():
+    d = Dispatcher([0, 1, 2])
+    for i, rate in enumerate((100, 100, 1000)):
+        d.measure(i, tokens=rate, busy_s=1.0)  # instance 2 is fastest, but parked
+    assert d.choose(10, among=[0, 1]) == 0
+    d.assign("g", 0, 10)
+    assert d.choose(10, among=[0, 1]) == 1
+    assert d.choose(10) == 2
+    d.forget()
+    assert [st.queued_tokens for st in d.instances.values()] == [0.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="no live rollout instance"):
+        d.choose(1, among=[])
+
+
+def test_skewness_over_the_active_instances_only():
+    meter = BubbleMeter([0, 1])
+    meter.record_work(0, busy_s=2.0, real_tokens=90, allocated_tokens=100)
+    meter.record_work(1, busy_s=0.0, real_tokens=0, allocated_tokens=0)  # parked
+    assert meter.report(among=[0])["skewness"] == 1.0
+    meter.record_work(0, busy_s=2.0, real_tokens=90, allocated_tokens=100)
+    assert meter.report()["skewness"] == 2.0  # counting the parked one as idle
+
+
+def test_an_unmeasured_instance_is_assumed_as_fast_as_the_measured_ones():
+    d = Dispatcher([0, 1, 2])
+    d.measure(0, tokens=600, busy_s=1.0)
+    d.measure(1, tokens=200, busy_s=1.0)
+    assert d.throughput(2) == 400.0  # not the initial 1 token/s, which would starve it
+    d.assign("a", 0, 600)
+    d.assign("b", 1, 100)
+    assert d.choose(100) == 2  # (0 + 100) / 400 beats (100 + 100) / 200 and (600 + 100) / 600
