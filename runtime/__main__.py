@@ -56,13 +56,6 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     if spec.resources.device != "cpu":
         n = spec.resources.trainer_devices + spec.resources.rollout_devices + spec.resources.eval_devices
         resolve_device(spec.resources.device, n - 1)
-    if spec.resources.trainer_devices > 1:
-        # The Trainer supports data parallelism over a process group, but this
-        # standalone runner starts one trainer rank; never ignore the request.
-        raise UsageError(
-            f"resources.trainer_devices: {spec.resources.trainer_devices} trainer ranks are not launched by the "
-            "standalone runner yet; use 1"
-        )
     if spec.model.path:
         check_model_path(spec.model.path)
     get_algorithm(spec.algorithm.name)

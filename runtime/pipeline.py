@@ -82,9 +82,11 @@ def thread_plan(spec: RunSpec) -> tuple[int, int]:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    ranks = spec.resources.trainer_devices
     if spec.pipeline.mode != "async":
-        return cores, cores
-    share = max(1, cores // (1 + spec.resources.rollout_workers))
+        share = max(1, cores // ranks)
+        return share, share
+    share = max(1, cores // (ranks + spec.resources.rollout_workers))
     return share, share
 
 
@@ -160,9 +162,7 @@ class RunContext:
 
         self.models = build_models(spec, self.device)
         self.tokenizer = self.models.tokenizer
-        self.trainer = Trainer(
-            spec, self.models.policy, self.tokenizer, self.device, self.models.ref_policy, self.models.critic
-        )
+        self.trainer = self._build_trainer(Trainer)
         self.task = build_task(spec)
         self.source = PromptSource(self.task.train_prompts())
         self.prompt_by_id = {p.prompt_id: p for p in self.source.prompts}
@@ -197,6 +197,27 @@ class RunContext:
             self.ckpt_step, self.ckpt_path = self.start_step, resume_path
             self.reporters.event("resume", {"step": self.start_step})
 
+    def _build_trainer(self, trainer_cls: Any) -> Any:
+        """This process's trainer; with ``resources.trainer_devices`` > 1 the leader of a data-parallel
+        group of trainer ranks (:mod:`runtime.trainer_group`)."""
+        m = self.models
+        if self.spec.resources.trainer_devices == 1:
+            return trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic)
+        from runtime.trainer_group import TrainerGroup, start_group
+
+        group, followers = start_group(self.spec, self.trainer_threads)
+        try:
+            local = trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic, group)
+            return TrainerGroup(local, followers)
+        except BaseException:
+            TrainerGroup.abandon(followers)
+            raise
+
+    def close_trainer(self) -> None:
+        close = getattr(self.trainer, "close", None)  # a TrainerGroup's followers stop here
+        if close is not None:
+            close()
+
     # ---- state -------------------------------------------------------------
     def _load(self, state: dict) -> None:
         from runtime.checkpoint import restore_rng
@@ -213,6 +234,9 @@ class RunContext:
         from runtime.checkpoint import capture_rng
         from runtime.models import save_hf
 
+        verify = getattr(self.trainer, "verify", None)  # data-parallel ranks: only rank 0's state is saved
+        if verify is not None:
+            verify()
         jsonl = self.reporters.find(M.JsonlReporter) if hasattr(self.reporters, "find") else None
         state = {
             "trainer": self.trainer.state_dict(),
@@ -421,19 +445,10 @@ class RunContext:
             section, name = key.split(".")
             setattr(getattr(self.spec, section), name, value)
             if key == "trainer.lr":
-                self._set_lr(float(value))
+                self.trainer.set_lr(float(value))
         mode.params_changed()
         self.reporters.event("params", {"step": step, "params": dict(params)})
         return True, "set " + ", ".join(f"{k}={v}" for k, v in params.items())
-
-    def _set_lr(self, lr: float) -> None:
-        """The policy optimizer's base learning rate; the warmup schedule keeps applying on top of it."""
-        optimizer, scheduler = self.trainer.optimizer, self.trainer.scheduler
-        for i, group in enumerate(optimizer.param_groups):
-            factor = scheduler.lr_lambdas[i](scheduler.last_epoch)
-            scheduler.base_lrs[i] = lr
-            group["initial_lr"] = lr
-            group["lr"] = lr * factor
 
     def _rollback(self, args: dict[str, Any], step: int, mode: _Mode) -> tuple[int | None, str]:
         """Restore the full state of one of this run's checkpoints. (None, why) when refused: nothing changed."""
@@ -547,6 +562,7 @@ def run(
         error = exc
         raise
     finally:
+        ctx.close_trainer()
         ctx.close_control(error)
         ctx.reporters.close()
 

@@ -120,6 +120,9 @@ class TrainerSpec(_Section):
         4096, ge=16, le=10_000_000, description="Token budget of one micro-batch (length-sorted packing)."
     )
     updates_per_step: int = Field(1, ge=1, le=64, description="Optimizer updates per training step (mini-batches).")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, le=86400, description="Trainer ranks > 1: a collective waiting this long fails the run."
+    )
 
 
 class RolloutSpec(_Section):
@@ -289,6 +292,15 @@ class RunSpec(_Section):
                     "field": "rollout.max_batch_size",
                     "message": f"async mode starts a group's samples together: {self.rollout.max_batch_size} slots "
                     f"cannot hold a group of algorithm.group_size={self.algorithm.group_size}",
+                }
+            )
+        ranks = self.resources.trainer_devices
+        if ranks > 1 and self.samples_per_step < ranks:
+            errors.append(
+                {
+                    "field": "resources.trainer_devices",
+                    "message": f"{ranks} trainer ranks need at least as many samples per step "
+                    f"(prompts_per_step x group_size = {self.samples_per_step})",
                 }
             )
         low = self.resources.min_rollout_workers

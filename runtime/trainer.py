@@ -265,6 +265,14 @@ class Trainer:
                 out[i] = values.tolist()
         return out
 
+    def set_lr(self, lr: float) -> None:
+        """The policy optimizer's base learning rate; the warmup schedule keeps applying on top of it."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            factor = self.scheduler.lr_lambdas[i](self.scheduler.last_epoch)
+            self.scheduler.base_lrs[i] = lr
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor
+
     def publish_state(self) -> dict[str, Tensor]:
         """The policy's weights to publish (detached references, not copies: the weight service copies if it must)."""
         return {k: v.detach() for k, v in self.policy.state_dict().items()}

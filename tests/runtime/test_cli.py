@@ -72,7 +72,7 @@ def _bad(capsys, argv):
         (["task.name=jsonl", "task.path=/nonexistent.jsonl"], "task.path"),
         (["algorithm.name=nosuch"], "nosuch"),
         (["pipeline.queue_capacity=4"], "pipeline.queue_capacity"),
-        (["resources.trainer_devices=2"], "resources.trainer_devices"),
+        (["resources.trainer_devices=64", "pipeline.prompts_per_step=2"], "resources.trainer_devices"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_naming_the_field(capsys, tmp_path, overrides, field):

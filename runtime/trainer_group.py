@@ -1,0 +1,236 @@
+"""Data-parallel trainer ranks as one trainer: this process is rank 0 (the leader), the others follow.
+
+With ``resources.trainer_devices = N > 1`` the run starts N-1 follower processes (spawned, one device
+each: trainer rank r uses device index r) that join a torch.distributed process group with the
+leader (gloo on CPU, NCCL on CUDA, HCCL on Ascend). Everything the pipeline does with its trainer
+goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~runtime.trainer.Trainer`:
+
+- ``train_step(samples, step)`` — *hierarchical transfer*: only the leader takes the step's batch
+  from the sample queue (so the queue's load does not grow with the number of ranks); it cuts the
+  batch into N interleaved shards and scatters them over the process group; every rank trains on its
+  shard, the trainer all-reduces the gradients, and the ranks end the step with identical weights.
+- ``load_state_dict`` (resume, rollback) and ``set_lr`` (live parameter change) are applied on every
+  rank; ``state_dict``, ``publish_state`` and the rest are the leader's (identical on every rank).
+
+Followers learn what to do from a command the leader broadcasts: ``("train", step, version)``
+followed by the scatter of shards, ``("state", trainer state)``, ``("lr", value)`` or ``("stop",)``.
+At start the leader sends its state, so every rank begins from the same weights and optimizer
+state whatever it built. A follower that dies makes the next collective fail (after
+``trainer.collective_timeout_s`` at most) and the leader checks its followers before every command:
+either way the run fails with the rank named, and a platform-managed run restarts the whole trainer
+group from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.samples import Sample
+
+
+class TrainerGroupError(RuntimeError):
+    """A trainer rank failed or cannot be reached."""
+
+
+def rendezvous() -> str:
+    """The process group's init method: ``MASTER_ADDR`` / ``MASTER_PORT`` when the launcher set them,
+    else a free port on this host (all ranks of a run are on one host today)."""
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if addr and port:
+        return f"tcp://{addr}:{port}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def shards(samples: list[Sample], world: int) -> list[list[Sample]]:
+    """``world`` interleaved shards of a step's samples (sizes differ by one at most; a GRPO group may
+    span ranks — the trainer gathers groups across ranks for the advantages)."""
+    if len(samples) < world:
+        raise TrainerGroupError(f"{len(samples)} samples cannot feed resources.trainer_devices={world} ranks")
+    return [samples[r::world] for r in range(world)]
+
+
+def weights_digest(trainer: Any) -> list[float]:
+    """Per-tensor float64 sums of the policy's (and critic's) parameters: equal on ranks that agree."""
+    models = [trainer.policy] + ([trainer.critic] if trainer.critic is not None else [])
+    with torch.no_grad():
+        return [float(p.detach().double().sum()) for m in models for p in m.parameters()]
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _scatter(parts: list[Any] | None) -> Any:
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, parts, src=0)
+    return box[0]
+
+
+class TrainerGroup:
+    """The leader's view of the trainer ranks (see the module docstring)."""
+
+    def __init__(self, trainer: Any, followers: list[Any]):
+        self.trainer = trainer
+        self.followers = followers
+        self.world = len(followers) + 1
+        self._send(("state", trainer.state_dict()))  # every rank starts from the leader's state
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the leader's own trainer
+        return getattr(self.__dict__["trainer"], name)
+
+    @property
+    def version(self) -> int:
+        return int(self.trainer.version)
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.trainer.version = value  # followers get it with every train command
+
+    def _check(self) -> None:
+        for rank, proc in enumerate(self.followers, start=1):
+            if proc.exitcode is not None:
+                raise TrainerGroupError(f"trainer rank {rank} exited with status {proc.exitcode}")
+
+    def _send(self, command: tuple) -> None:
+        self._check()
+        try:
+            _broadcast(command)
+        except RuntimeError as exc:  # a collective timed out or a peer's connection closed
+            raise TrainerGroupError(f"trainer ranks unreachable: {exc}") from None
+
+    def train_step(self, samples: list[Sample], step: int) -> dict[str, float]:
+        parts = shards(samples, self.world)
+        self._send(("train", step, self.trainer.version))
+        try:
+            _scatter(parts)
+            return self.trainer.train_step(parts[0], step)
+        except RuntimeError as exc:
+            self._check()
+            raise TrainerGroupError(f"data-parallel step {step + 1} failed: {exc}") from None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+        self._send(("state", state))
+
+    def set_lr(self, lr: float) -> None:
+        self.trainer.set_lr(lr)
+        self._send(("lr", lr))
+
+    @staticmethod
+    def abandon(followers: list[Any]) -> None:
+        """Kill the followers and leave the group: the leader failed before the group was usable."""
+        for proc in followers:
+            proc.kill()
+            proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def verify(self) -> None:
+        """Check that every rank holds the leader's weights (before a checkpoint: only rank 0's state is
+        saved); ranks that drifted apart — a command one of them missed — fail the run by name."""
+        self._send(("verify",))
+        mine = weights_digest(self.trainer)
+        digests: list[Any] = [None] * self.world
+        dist.all_gather_object(digests, mine)
+        bad = [rank for rank, d in enumerate(digests) if d != mine]
+        if bad:
+            raise TrainerGroupError(f"trainer ranks {bad} hold different weights than rank 0")
+
+    def close(self) -> None:
+        """Stop the followers and leave the process group (also after a failure)."""
+        try:
+            if all(p.exitcode is None for p in self.followers):
+                _broadcast(("stop",))
+        except RuntimeError:
+            pass
+        for proc in self.followers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_group(spec: Any, threads: int) -> tuple[Any, list[Any]]:
+    """Start the followers and join the process group as rank 0; returns (process group, followers)."""
+    from runtime.devices import dist_backend
+
+    world = spec.resources.trainer_devices
+    init = rendezvous()
+    mp = torch.multiprocessing.get_context("spawn")
+    followers = []
+    for rank in range(1, world):
+        proc = mp.Process(
+            target=follower_process,
+            args=(rank, world, init, spec.resolved(), threads),
+            name=f"trainer-rank-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        followers.append(proc)
+    timeout = timedelta(seconds=spec.trainer.collective_timeout_s)
+    try:
+        dist.init_process_group(
+            dist_backend(spec.resources.device), init_method=init, rank=0, world_size=world, timeout=timeout
+        )
+    except Exception:
+        TrainerGroup.abandon(followers)
+        raise
+    return dist.group.WORLD, followers
+
+
+def follower_process(rank: int, world: int, init: str, spec_data: dict, threads: int) -> None:
+    """Entry point of trainer rank ``rank`` > 0: build the models, then follow the leader's commands."""
+    from runtime.devices import dist_backend, manual_seed_all, resolve_device, set_threads
+    from runtime.roles import build_models
+    from runtime.spec import validate_spec
+    from runtime.trainer import Trainer
+
+    try:
+        set_threads(threads)
+        spec = validate_spec(spec_data)
+        manual_seed_all(spec.seed)
+        device = resolve_device(spec.resources.device, rank)
+        if device.type != "cpu":
+            getattr(torch, device.type).set_device(device)  # the collectives' tensors live on it
+        timeout = timedelta(seconds=spec.trainer.collective_timeout_s)
+        dist.init_process_group(
+            dist_backend(spec.resources.device), init_method=init, rank=rank, world_size=world, timeout=timeout
+        )
+        models = build_models(spec, device)
+        trainer = Trainer(
+            spec, models.policy, models.tokenizer, device, models.ref_policy, models.critic, dist.group.WORLD
+        )
+        while True:
+            command = _broadcast(None)
+            if command[0] == "train":
+                _, step, version = command
+                trainer.version = version
+                trainer.train_step(_scatter(None), step)
+            elif command[0] == "state":
+                trainer.load_state_dict(command[1])
+            elif command[0] == "lr":
+                trainer.set_lr(command[1])
+            elif command[0] == "verify":
+                dist.all_gather_object([None] * world, weights_digest(trainer))
+            else:  # "stop"
+                break
+    except Exception:
+        traceback.print_exc()  # the leader names this rank when its next collective fails
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
