@@ -244,7 +244,7 @@ class AsyncMode:
         self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.G))
         self.restarts = [0] * spec.resources.rollout_workers
         self.steps_done = ctx.start_step
-        ctx.trace["issued_to"] = []  # (steps done when issued, rollout rank) of every group issued
+        ctx.trace["issued_to"] = []  # [steps done when issued, rollout rank, groups]: runs of consecutive issues
         self.evaluator: BackgroundEvaluator | None = None
         self.mp = torch.multiprocessing.get_context("spawn")
         self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
@@ -364,7 +364,11 @@ class AsyncMode:
                     live[rank].outstanding += 1
                     st.in_flight[it.index] = it
                     messages.setdefault(rank, []).append((ticket, it.pack()))
-                    ctx.trace["issued_to"].append((self.steps_done, rank))
+                    issued = ctx.trace["issued_to"]
+                    if issued and issued[-1][:2] == [self.steps_done, rank]:
+                        issued[-1][2] += 1
+                    else:
+                        issued.append([self.steps_done, rank, 1])
                 epoch = int(self.flags[EPOCH])
             for rank, entries in messages.items():
                 live[rank].work_q.put((epoch, entries))

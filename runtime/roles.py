@@ -180,9 +180,8 @@ class RolloutWorker:
             for c in completions:  # in prompt order, each prompt's samples in order
                 groups[c.prompt_index].append(c)
                 tokens += len(c.token_ids)
-            for item, ids, group in zip(chunk, prompt_ids, groups, strict=True):
-                texts = [self.tokenizer.decode(list(c.token_ids)) for c in group]
-                scores = self.score(item, texts)
+            texts = [[self.tokenizer.decode(list(c.token_ids)) for c in group] for group in groups]
+            for item, ids, group, scores in zip(chunk, prompt_ids, groups, self.score(chunk, texts), strict=True):
                 if scores is None:
                     self.dropped.append(item.index)
                     continue
@@ -190,11 +189,16 @@ class RolloutWorker:
         samples.sort(key=lambda s: s.sample_id)  # groups contiguous, in issue order
         return samples, tokens
 
-    def score(self, item: WorkItem, texts: list[str]) -> list[tuple[float, bool]] | None:
+    def score(self, items: list[WorkItem], texts: list[list[str]]) -> list[list[tuple[float, bool]] | None]:
+        """Each group's scores (None: a reward missing); the remote service gets the whole chunk at once."""
         if self.reward is None:
-            return [self.task.score(item.prompt, t) for t in texts]
-        p = item.prompt
-        return reward_scores(self.task, p, texts, self.reward.score_many([(p.text, t, p.answer) for t in texts]))
+            return [[self.task.score(it.prompt, t) for t in group] for it, group in zip(items, texts, strict=True)]
+        flat = [(it.prompt.text, t, it.prompt.answer) for it, group in zip(items, texts, strict=True) for t in group]
+        results = iter(self.reward.score_many(flat))
+        return [
+            reward_scores(self.task, it.prompt, group, [next(results) for _ in group])
+            for it, group in zip(items, texts, strict=True)
+        ]
 
 
 @dataclass

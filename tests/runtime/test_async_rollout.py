@@ -148,6 +148,6 @@ def test_the_active_instance_count_follows_the_queue_watermark(tmp_path):
     # before parking both instances got work; from the step it was parked on, instance 1 gets none
     issued = result["trace"]["issued_to"]
     parked_at = scaled[0]["step"]
-    assert {rank for step, rank in issued if step < parked_at} == {0, 1}
-    assert {rank for step, rank in issued if step >= parked_at} == {0}
+    assert {rank for step, rank, _ in issued if step < parked_at} == {0, 1}
+    assert {rank for step, rank, _ in issued if step >= parked_at} == {0}
     accounted_once(result["trace"])
