@@ -4,6 +4,8 @@ restricted to the active instances."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -171,3 +173,102 @@ def test_an_unmeasured_instance_is_assumed_as_fast_as_the_measured_ones():
     d.assign("a", 0, 600)
     d.assign("b", 1, 100)
     assert d.choose(100) == 2  # (0 + 100) / 400 beats (100 + 100) / 200 and (600 + 100) / 600
+
+
+# ----- one rollout instance, in this process, with real parts ----------------------------------------------
+class InstanceHarness:
+    """A RolloutInstance on the tiny model: real engine, shared weights, pipe and work queue; its loop in a thread."""
+
+    def __init__(self, tmp_path, **over):
+        import queue
+        import threading
+        from multiprocessing import Pipe
+
+        from runtime.models import build_policy
+        from runtime.roles import build_engine, build_task
+        from runtime.rollout_instance import RolloutInstance
+        from runtime.weights import WeightService, WeightSubscriber
+        from tests.runtime.helpers import TINY, tiny_spec
+
+        self.spec = tiny_spec(tmp_path, "inst", TINY, pipeline__transfer_window_s=0.0, **over)
+        policy, tok = build_policy(self.spec.model, "cpu", seed=self.spec.seed)
+        self.weights = WeightService(keep=0)
+        ctx = torch.multiprocessing.get_context("spawn")
+        shared = self.weights.shared_handle(policy.state_dict(), ctx)
+        self.weights.initialize(policy.state_dict())
+        self.state = policy.state_dict()
+        self.flags = ctx.RawArray("q", 2)
+        self.recv, send = Pipe(duplex=False)
+        self.work: queue.Queue = queue.Queue()
+        engine = build_engine(policy, tok, torch.device("cpu"), self.spec)
+        sub = WeightSubscriber(shared, current_version=-1)
+        self.instance = RolloutInstance(0, self.spec, engine, tok, build_task(self.spec), sub, send, self.flags)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.instance.run, args=(self.work, self.stop.is_set), daemon=True)
+        self.thread.start()
+
+    def send(self, tickets_items, epoch=0):
+        self.work.put((epoch, [(t, item.pack()) for t, item in tickets_items]))
+
+    def results(self, want: int, timeout: float = 60.0) -> list[tuple[dict, list]]:
+        """Result messages until ``want`` groups (kept or dropped) are back."""
+        from runtime.queue import unpack_samples
+        from runtime.roles import from_bytes
+
+        out, got, deadline = [], 0, time.monotonic() + timeout
+        while got < want:
+            assert self.recv.poll(max(0.0, deadline - time.monotonic())), f"only {got} of {want} groups came back"
+            kind, _, payload = self.recv.recv()
+            if kind == "samples":
+                blob, info = payload
+                out.append((info, unpack_samples(from_bytes(blob))))
+                got += len(info["tickets"]) + len(info["dropped"])
+        return out
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+        self.instance.close()
+
+
+def items(*specs):
+    from runtime.roles import WorkItem
+    from runtime.samples import Prompt
+
+    return [
+        (ticket, WorkItem(index=ticket, prompt=Prompt(ticket, "abc", "cba", 3), min_version=v)) for ticket, v in specs
+    ]
+
+
+def test_an_instance_holds_a_group_until_its_weights_and_streams_the_others(tmp_path):
+    h = InstanceHarness(tmp_path)
+    try:
+        h.send(items((0, 0), (1, 1), (2, 0)))  # group 1 needs weights version 1, not published yet
+        first = h.results(2)
+        assert sorted(t for info, _ in first for t in info["tickets"]) == [0, 2]
+        assert h.recv.poll(0.5) is False or h.recv.recv()[0] == "beat"  # group 1 waits
+        h.weights.publish(h.state, version=1)
+        (info, samples), *_ = h.results(1)
+        assert info["tickets"] == [1]
+        assert [s.sample_id for s in samples] == [4, 5, 6, 7]  # issue index 1 x group size 4 + j
+        assert {v for s in samples for v in s.versions} == {1}  # every token from the new weights
+        for info, samples in first:  # the others: whole groups, packed, with the bubble accounting
+            assert len(samples) == 4 * len(info["tickets"]) and info["allocated"] >= info["real"] > 0
+            assert all(w >= 0 for w in info["waits"]) and info["gen_s"] > 0
+    finally:
+        h.close()
+
+
+def test_an_instance_forgets_the_groups_of_an_older_epoch(tmp_path):
+    h = InstanceHarness(tmp_path)
+    try:
+        h.send(items((0, 5)))  # held: version 5 never comes in this test
+        h.flags[1] = 1  # a rollback: epoch 1
+        h.send(items((1, 0)), epoch=1)
+        h.send(items((2, 0)), epoch=0)  # issued before the rollback, arriving after it: skipped
+        (info, _), *_ = h.results(1)
+        assert info["tickets"] == [1]
+        time.sleep(0.3)  # a few more turns of its loop
+        assert 0 not in h.instance.groups and 2 not in h.instance.groups and h.instance.held == []
+    finally:
+        h.close()
