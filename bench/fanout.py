@@ -22,10 +22,13 @@ What it does:
    50 parsing clients would take over half a core from the server measured.
    The server's CPU per entry (ingest of one batch and its fan-out) is reported
    too: a figure that depends less on what else the machine runs.
-4. *chart data*: a second run gets 100,000 steps x 30 metrics (inserted in SQL),
+4. *chart data*: a second run gets 100,000 steps x 30 metrics (JSON rows inserted in SQL),
    then the server time of ``jobs.series.series`` (in-process: query + downsampling
-   to 1,000 points) is measured for the 6 keys of one chart group and for all 30,
-   and the full HTTP round trip of ``GET /api/runs/<id>/metrics/`` through uvicorn.
+   to 1,000 points) is measured for the 6 keys of one chart group and for all 30:
+   first from the JSON rows, then from the chart-data store after
+   ``jobs.series_store.backfill`` packed the run (the blocks ingest writes), side by
+   side with their ratio and a check that both give the same answers; then the full
+   HTTP round trip of ``GET /api/runs/<id>/metrics/`` through uvicorn (the store).
 
 Targets (issue 6): p99 delivery <= 100 ms, 0 dropped; chart data <= 300 ms.
 Prints human-readable figures; the LAST line is one JSON object of them all.
@@ -319,10 +322,10 @@ def _fill_sql(keys: list[str]) -> str:
     )
 
 
-def chart_data(port: int, seeded: dict, repeats: int, all_keys: bool) -> dict:
+def chart_data(port: int, seeded: dict, repeats: int) -> dict:
     from django.db import connection
 
-    from jobs import series
+    from jobs import series, series_store
 
     run = seeded["runs"][1]
     keys = [f"bench/metric_{k:02d}" for k in range(CHART_KEYS)]
@@ -341,10 +344,21 @@ def chart_data(port: int, seeded: dict, repeats: int, all_keys: bool) -> dict:
             samples.append((time.perf_counter() - t) * 1000)
         return samples
 
-    six = timed(lambda: series.series(run.pk, keys[:6], max_points=1000))
-    thirty = timed(lambda: series.series(run.pk, keys, max_points=1000)) if all_keys else None
-    result = series.series(run.pk, keys[:6], max_points=1000)
-    points = len(result["series"][keys[0]]["x"])
+    def read(n_keys: int, use_store: bool):
+        return series.series(run.pk, keys[:n_keys], max_points=1000, use_store=use_store)
+
+    # The JSON rows first (the run is not in the store yet, as a run from before it), then the same run put in
+    # the store by the backfill (the blocks ingest would have written: arrival order, BLOCK_POINTS per block).
+    old = {n: timed(lambda n=n: read(n, False)) for n in (6, CHART_KEYS)}
+    t0 = time.perf_counter()
+    series_store.backfill(run.pk)
+    backfill_s = time.perf_counter() - t0
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_seriespointblock")
+        cursor.execute("ANALYZE jobs_seriesvalueblock")
+    new = {n: timed(lambda n=n: read(n, True)) for n in (6, CHART_KEYS)}
+    same = all(read(n, True) == read(n, False) for n in (6, CHART_KEYS))
+    points = len(read(6, True)["series"][keys[0]]["x"])
 
     def http_get():
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -360,22 +374,28 @@ def chart_data(port: int, seeded: dict, repeats: int, all_keys: bool) -> dict:
             raise RuntimeError(f"metrics API answered {response.status}: {body[:200]!r}")
 
     http_ms = timed(http_get)
-    return {
+    figures = {
         "steps": CHART_STEPS,
         "metrics": CHART_KEYS,
         "fill_s": round(fill_s, 1),
+        "backfill_s": round(backfill_s, 1),
+        "block_points": series_store.BLOCK_POINTS,
         "points_per_series": points,
-        "server_6_keys_ms_median": round(statistics.median(six), 1),
-        "server_6_keys_ms_max": round(max(six), 1),
-        "server_30_keys_ms_median": round(statistics.median(thirty), 1) if thirty else None,
+        "same_answers": same,
         "http_6_keys_ms_median": round(statistics.median(http_ms), 1),
     }
+    for n in (6, CHART_KEYS):
+        figures[f"server_{n}_keys_ms_median"] = round(statistics.median(new[n]), 1)
+        figures[f"server_{n}_keys_ms_max"] = round(max(new[n]), 1)
+        figures[f"json_rows_{n}_keys_ms_median"] = round(statistics.median(old[n]), 1)
+        figures[f"speedup_{n}_keys"] = round(statistics.median(old[n]) / statistics.median(new[n]), 1)
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="5 s fan-out, one timed chart query, no 30-key query (about a minute)"
+        "--quick", action="store_true", help="5 s fan-out, one timed chart query per case (about a minute)"
     )
     parser.add_argument("--clients", type=int, default=50, help="WebSocket clients")
     parser.add_argument("--rate", type=int, default=2000, help="points per second posted")
@@ -412,7 +432,7 @@ def main() -> None:
         fan = asyncio.run(
             fanout(port, seeded, args.clients, args.rate, args.batch, seconds, args.full_parse, server.pid, args.warmup)
         )
-        chart = None if args.no_chart else chart_data(port, seeded, repeats, all_keys=not args.quick)
+        chart = None if args.no_chart else chart_data(port, seeded, repeats)
     finally:
         stop_server(server)
         cleanup(seeded)
@@ -452,9 +472,14 @@ def main() -> None:
         f"chart data, {chart['steps']:,} steps x {chart['metrics']} metrics -> {chart['points_per_series']} points/series:"
     )
     print(
-        f"  server (query + downsampling) 6 keys median {chart['server_6_keys_ms_median']} ms "
-        f"(max {chart['server_6_keys_ms_max']}), 30 keys median {chart['server_30_keys_ms_median']} ms (target <= 300)"
+        f"  server (query + downsampling), median ms: chart-data store vs JSON rows (same answers: {chart['same_answers']})"
     )
+    for n in (6, CHART_KEYS):
+        print(
+            f"    {n:>2} keys: store {chart[f'server_{n}_keys_ms_median']} (max {chart[f'server_{n}_keys_ms_max']}), "
+            f"JSON rows {chart[f'json_rows_{n}_keys_ms_median']}: {chart[f'speedup_{n}_keys']}x (target <= 300)"
+        )
+    print(f"  backfill of the run into the store (one-off, as for a run from before it): {chart['backfill_s']} s")
     print(f"  HTTP round trip through uvicorn, 6 keys: median {chart['http_6_keys_ms_median']} ms")
     print(json.dumps({**setup, "fanout": fan, "chart": chart}))
 

@@ -35,9 +35,9 @@ from django.db import transaction
 from django.db.models import F, Max, Q
 from django.utils import timezone
 
-from jobs import handler, stream
+from jobs import handler, series_store, stream
 from jobs.handler import Conflict, InvalidInput
-from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, ConfigVersion, MetricPoint, Run
+from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, ConfigVersion, Run
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import audit
 from runtime.spec import SpecError, validate_spec
@@ -329,4 +329,4 @@ def _apply_done(command: Command) -> None:
 
 def mark_rewound(run_id: int, step: int) -> int:
     """Mark the run's live metric points after ``step`` rewound (kept, hidden by default); returns how many."""
-    return MetricPoint.objects.filter(run_id=run_id, step__gt=step).live().update(rewound=True)
+    return series_store.rewind(run_id, step)  # the JSON rows and the chart-data store together

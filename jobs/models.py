@@ -243,6 +243,69 @@ class MetricPoint(models.Model):
         return f"run {self.run_id}/{self.attempt} step {self.step}"
 
 
+class SeriesStore(models.Model):
+    """A run whose chart data the block store (jobs.series_store) holds completely, from its first point on.
+
+    Runs without this row are read from the JSON rows. Its row lock serialises the run's store writers.
+    """
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    blocks = models.PositiveIntegerField(default=0, help_text="Point blocks written; the last one takes new points")
+
+
+class SeriesPointBlock(models.Model):
+    """Up to jobs.series_store.BLOCK_POINTS metric rows of a run in arrival order, as packed records.
+
+    One 33-byte little-endian record per MetricPoint row (jobs.series_store.ROW): its id, step, attempt
+    (int64), time (float8 Unix seconds, as PostgreSQL extracts it) and rewound flag (uint8).
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    block = models.PositiveIntegerField()
+    count = models.PositiveIntegerField()
+    min_step = models.BigIntegerField()
+    max_step = models.BigIntegerField()
+    rows = models.BinaryField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "block"], name="seriespointblock_unique")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} point block {self.block}"
+
+
+class SeriesValueBlock(models.Model):
+    """One metric's values (float8, NaN for null or absent) aligned with the entries of a point block.
+
+    Shorter than its point block when the metric is absent from the block's last entries.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    key = models.CharField(max_length=200)
+    block = models.PositiveIntegerField()
+    values = models.BinaryField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "key", "block"], name="seriesvalueblock_unique")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} {self.key} block {self.block}"
+
+
+class SeriesRewind(models.Model):
+    """Ids of the MetricPoint rows one rewind marked (int64 little-endian), for the chart-data store.
+
+    Kept apart from the point blocks so that a rewind (inside a rollback command's transaction, which holds
+    the command row and the run's stream counter) never waits for the store's lock that ingest holds.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
+    ids = models.BinaryField()
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} rewind of {len(self.ids) // 8} rows"
+
+
 class RunEvent(models.Model):
     """One runtime event (checkpoint, eval, resume, ...), idempotent on (run, attempt, role, seq)."""
 

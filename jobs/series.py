@@ -9,6 +9,9 @@ reported at that step) are skipped for that key only.
 
 Rewound points (after a rollback) are left out unless asked for; when included
 each point carries ``rewound: true`` so the chart can draw them apart.
+
+Runs in the chart-data store (jobs.series_store: packed per-metric blocks written at ingest) are read from
+it; other runs (points from before the store, SQLite) from the JSON rows, with the same answers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from django.db.models import FloatField
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 
+from jobs import series_store
 from jobs.models import MetricPoint
 
 __all__ = ["MAX_KEYS", "MAX_POINTS_LIMIT", "downsample", "metric_keys", "series"]
@@ -138,14 +142,24 @@ def _table_portable(run_id: int, keys: list[str], include_rewound: bool, x: str)
 
 
 def series(
-    run_id: int, keys: list[str], *, x: str = "step", max_points: int = 1000, include_rewound: bool = False
+    run_id: int,
+    keys: list[str],
+    *,
+    x: str = "step",
+    max_points: int = 1000,
+    include_rewound: bool = False,
+    use_store: bool = True,
 ) -> dict[str, Any]:
     """``{"x": x, "series": {key: {"x": [...], "y": [...], "rewound": [...]}}, "last_step": n | None}``.
 
-    ``x``: "step" or "time" (Unix seconds). Arguments are assumed valid (the view checks them).
+    ``x``: "step" or "time" (Unix seconds). Arguments are assumed valid (the view checks them). The rows come
+    from the chart-data store (jobs.series_store) when the run is in it, else from the JSON rows;
+    ``use_store=False`` reads the JSON rows regardless (the reference the store is compared with).
     """
-    fetch = _table_postgres if connection.vendor == "postgresql" else _table_portable
-    table = fetch(run_id, keys, include_rewound, x)
+    table = series_store.read_table(run_id, keys, include_rewound) if use_store else None
+    if table is None:
+        fetch = _table_postgres if connection.vendor == "postgresql" else _table_portable
+        table = fetch(run_id, keys, include_rewound, x)
     out: dict[str, Any] = {"x": x, "series": {}, "last_step": None}
     if not len(table):
         for key in keys:

@@ -23,7 +23,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from jobs import commands, stream
+from jobs import commands, series_store, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
@@ -200,7 +200,7 @@ FROM jsonb_array_elements(%s::jsonb) AS p
 ON CONFLICT (run_id, attempt, step) WHERE NOT rewound
 DO UPDATE SET metrics = EXCLUDED.metrics || jobs_metricpoint.metrics
 WHERE NOT (jobs_metricpoint.metrics ?& ARRAY(SELECT jsonb_object_keys(EXCLUDED.metrics)))
-RETURNING (xmax = 0)
+RETURNING id, step, extract(epoch from time)::float8, (xmax = 0), CASE WHEN xmax = 0 THEN NULL ELSE metrics END
 """
 
 
@@ -219,7 +219,9 @@ def store_points(token: RunToken, points: dict[int, tuple[float, dict[str, Any]]
                     json.dumps([{"step": s, "time": points[s][0], "metrics": points[s][1]} for s in steps]),
                 ],
             )
-            flags = [row[0] for row in cursor.fetchall()]
+            returned = cursor.fetchall()
+        series_store.add_points(token.run_id, token.attempt, returned, points)  # the chart-data store follows
+        flags = [row[3] for row in returned]
         inserted = sum(flags)
         return {"inserted": inserted, "merged": len(flags) - inserted, "unchanged": len(steps) - len(flags)}
     return _store_points_portable(token, steps, points)
@@ -477,11 +479,7 @@ def _rewind_earlier_attempts(token: RunToken, events: list[dict[str, Any]]) -> N
     for event in events:
         step = event["payload"].get("step")
         if event["kind"] == "resume" and _is_int(step) and step >= 0 and token.attempt > 0:
-            rewound = (
-                MetricPoint.objects.filter(run_id=token.run_id, attempt__lt=token.attempt, step__gt=step)
-                .live()
-                .update(rewound=True)
-            )
+            rewound = series_store.rewind(token.run_id, step, before_attempt=token.attempt)
             if rewound:
                 stream.append(token.run_id, "rewound", {"after_step": step})
 
