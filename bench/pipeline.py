@@ -23,6 +23,13 @@ process, the first queue fill — is reported apart, as wall time):
 * the final held-out accuracy of each run (sampled, temperature 1, 4 per prompt), from an SFT
   warm start, so the speed-up is not bought with worse learning.
 
+Learning shapes the workload: from an SFT warm start the runs' answer lengths drift apart (each
+run's policy learns its own), so their steps do different work; the table's ``resp`` column shows
+it and the bench warns when async's answers differ from sync-split's by more than 5%. With
+``--sft-steps 0`` (random initialisation: answers of about ``--max-new-tokens``, rewards near 0, a
+policy that barely moves) the work per step is the same in every run — the length-controlled
+workload for measuring the speed-up and overlap efficiency; the warm-started run measures accuracy.
+
 The default workload (16 prompts x 8 samples, up to 24 new tokens, strings of 1-6 characters
 to reverse) keeps generation and training per step of the same order on 2 cores (t_generate
 about 0.5-0.7 x t_train) — the regime where overlapping them matters; ``t_generate`` and
@@ -213,7 +220,7 @@ def main() -> None:
     }
     print(
         f"{'run':10} {'threads':>7} {'samples/s':>10} {'tokens/s':>9} {'vs split':>8} {'vs sync':>7} {'bubble':>7} "
-        f"{'t_gen':>6} {'t_train':>7} {'t_sync':>6} {'stale':>5} {'acc':>6} {'wall':>6} {'load':>5}"
+        f"{'t_gen':>6} {'t_train':>7} {'t_sync':>6} {'stale':>5} {'resp':>5} {'acc':>6} {'wall':>6} {'load':>5}"
     )
     for name, r in results.items():
         r["speedup_vs_sync_split"] = r["samples_per_s"] / split["samples_per_s"]
@@ -225,7 +232,7 @@ def main() -> None:
             f"{name:10} {threads:>7} {r['samples_per_s']:10.1f} {r['tokens_per_s']:9.0f} "
             f"{r['speedup_vs_sync_split']:7.2f}x {r['speedup_vs_sync']:6.2f}x {r['bubble']:7.3f} "
             f"{r['t_generate']:6.3f} {r['t_train']:7.3f} {r['t_weight_sync']:6.3f} {r['staleness_max']:5.0f} "
-            f"{acc:>6} {r['wall_s']:5.0f}s {r['loadavg_1m'][1]:5.2f}"
+            f"{r['response_len']:5.1f} {acc:>6} {r['wall_s']:5.0f}s {r['loadavg_1m'][1]:5.2f}"
         )
         summary[name] = {k: v for k, v in r.items() if k not in ("spec", "checkpoint")}
     summary["t_generate_over_t_train"] = split["t_generate"] / split["t_train"]
@@ -244,6 +251,15 @@ def main() -> None:
         f"overlap efficiency {summary['overlap_efficiency']:.2f} "
         f"(ideal {ideal * args.prompts * args.group_size:.1f} samples/s); bubble {summary['async_bubble']:.3f}"
     )
+    # The policy shapes its own workload: runs whose answers grew apart did different work per step,
+    # and their speed-up and overlap efficiency compare more than scheduling.
+    drift = asy["response_len"] / split["response_len"]
+    summary["response_len_async_over_split"] = drift
+    if abs(drift - 1) > 0.05:
+        print(
+            f"warning: async answers are {drift:.2f}x as long as sync-split's: the runs did different work per "
+            "step; for the scheduling comparison use a length-controlled workload (--sft-steps 0)"
+        )
     if accuracy_before is not None:
         print(f"held-out sampled accuracy from the warm start: {accuracy_before:.3f}")
     print(json.dumps(summary))
