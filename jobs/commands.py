@@ -309,6 +309,11 @@ def complete(run_id: int, command_id: int, state: str, message: str = "") -> Com
         command.state, command.message, command.finished_at = state, message, timezone.now()
         command.save(update_fields=["state", "message", "finished_at"])
         _record(None, "command.complete", command, before)
+        rollback = state == CommandState.DONE and command.kind == CommandKind.ROLLBACK
+        if rollback:
+            # Metric rows before the stream counter, the order ingest takes them in: a replay merging rows
+            # past the rollback step while this completes must not deadlock with it.
+            mark_rewound(command.run_id, int(command.args["step"]))
         _stream(command)
         if state == CommandState.DONE:
             _apply_done(command)
@@ -316,8 +321,7 @@ def complete(run_id: int, command_id: int, state: str, message: str = "") -> Com
 
 
 def _apply_done(command: Command) -> None:
-    if command.kind == CommandKind.ROLLBACK:
-        mark_rewound(command.run_id, int(command.args["step"]))
+    if command.kind == CommandKind.ROLLBACK:  # its points were marked rewound before the command was streamed
         stream.append(command.run_id, "rewound", {"after_step": int(command.args["step"])})
     target = STATE_AFTER_DONE.get(command.kind)
     if target is not None:

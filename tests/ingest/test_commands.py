@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 from django.utils import timezone
@@ -296,3 +297,41 @@ def test_fork_with_a_bad_spec_or_a_foreign_checkpoint_creates_nothing(run, other
 
     assert Run.objects.count() == 2
     assert Command.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rollback_completing_while_a_replay_merges_later_rows_does_not_deadlock(run, client_for, owner):
+    # Ingest locks the metric rows it merges, then the run's stream counter. Completing a rollback marks the
+    # rows after its step rewound and streams the result: it must take the rows first too, or each of the
+    # two would hold what the other waits for.
+    import threading
+
+    from django.db import connection, transaction
+
+    from jobs import stream
+
+    post(client_for(run), "metrics", batch(run, range(1, 7)))
+    command = commands.create(owner, run, "rollback", {"checkpoint": _checkpoint(run, 3).pk})
+    holding, errors = threading.Event(), []
+
+    def merge_then_stream():  # what a replay of steps 5 and 6 with a new key does, slowed down in the middle
+        try:
+            with transaction.atomic():
+                list(MetricPoint.objects.select_for_update().filter(run=run, step__gt=4))
+                holding.set()
+                time.sleep(1.0)  # the rollback's completion runs meanwhile and reaches its first wait
+                stream.append(run.pk, "metrics", {"steps": [5, 6]})
+        except Exception as exc:  # a deadlock is detected by PostgreSQL and aborts one of the two
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    replay = threading.Thread(target=merge_then_stream)
+    replay.start()
+    try:
+        assert holding.wait(timeout=30)
+        commands.complete(run.pk, command.pk, "done", "restored step 3")
+    finally:
+        replay.join(timeout=60)
+    assert errors == []
+    assert stored(run, rewound=True) == {s: {"reward": s / 10} for s in (4, 5, 6)}
