@@ -206,6 +206,9 @@ class HttpReporter:
                 if left <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(left)
+            # Everything is delivered: the wake-up is spent. Left set, it would cut the sender's next pause
+            # short and send the next record at once, ignoring min_interval_s.
+            self._wake = False
             return True
 
     def close(self, timeout: float = 10.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -225,3 +226,18 @@ def test_reporting_after_close_is_an_error(platform, tmp_path):
     rep.close()
     with pytest.raises(ReporterError, match="closed"):
         rep.report(1, {"accuracy": 1.0})
+
+
+def test_a_flush_with_nothing_left_does_not_send_the_next_record_early(platform, tmp_path):
+    rep = make(platform.url, tmp_path / "spool", min_interval_s=30.0)
+    try:
+        rep.report(1, {"reward/mean": 0.1})
+        assert rep.flush(timeout=30)
+        assert rep.flush(timeout=30)  # nothing left to deliver
+        rep.report(2, {"reward/mean": 0.2})
+        time.sleep(0.5)  # a stale wake-up would have sent it within milliseconds
+        assert (rep.pending(), platform.received_steps()) == (1, [1])  # it waits out min_interval_s
+        assert rep.flush(timeout=30)  # until the next flush
+        assert platform.received_steps() == [1, 2]
+    finally:
+        rep.close()
