@@ -6,9 +6,10 @@ without aggregation, in one run.
    flat tensors + lengths, what the pipeline sends) and padded (rows padded to the longest prompt and
    response, plus the attention masks a padded format needs). Target: packed <= 20% of padded.
 2. *Messages*: a real sender process streams finished GRPO groups through a real pipe to this process,
-   as a rollout instance does, (a) one message per group and (b) through
-   ``runtime.transfer.Aggregator`` (``--max-bytes`` or ``--window-s``, whichever first); figures:
-   groups/s and messages/s delivered, and the receiver's CPU seconds per group (the trainer's cost).
+   as a rollout instance does, (a) one message per group, (b) through ``runtime.transfer.Aggregator``
+   (``--max-bytes`` or ``--window-s``, whichever first), and (c) aggregated with each message's bytes
+   in shared memory (``ShmCourier``), the pipe carrying a reference; figures: groups/s and
+   messages/s delivered, and the receiver's CPU seconds per group (the trainer's cost).
 
     .venv/bin/python bench/transfer.py --quick
     .venv/bin/python bench/transfer.py
@@ -96,14 +97,19 @@ def bytes_phase(samples: list[Sample]) -> dict:
     return {"samples": len(samples), "packed_bytes": packed, "padded_bytes": pad, "packed_over_padded": packed / pad}
 
 
-def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float) -> None:
+def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float, shm: bool) -> None:
     torch.set_num_threads(1)
+    import os
+
     from runtime.roles import to_bytes
-    from runtime.transfer import Aggregator, sample_nbytes
+    from runtime.transfer import Aggregator, ShmCourier, sample_nbytes
+
+    courier = ShmCourier(f"tandem-bench-{os.getpid()}-") if shm else None
 
     def send(batch: list[list[Sample]]) -> None:
         flat = [s for g in batch for s in g]
-        conn.send(("samples", 0, (to_bytes(pack_samples(flat)), {"groups": len(batch)})))
+        blob = to_bytes(pack_samples(flat))
+        conn.send(("samples", 0, (courier.wrap(blob) if courier else blob, {"groups": len(batch)})))
 
     agg: Aggregator[list[Sample]] = Aggregator(max_bytes, window_s, sample_nbytes)
     for g in groups:
@@ -119,24 +125,25 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
     conn.close()
 
 
-def message_phase(groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float) -> dict:
+def message_phase(groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float, shm: bool) -> dict:
     from runtime.roles import from_bytes
+    from runtime.transfer import ShmCourier
 
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=sender, args=(send, groups, aggregate, max_bytes, window_s))
+    proc = ctx.Process(target=sender, args=(send, groups, aggregate, max_bytes, window_s, shm))
     proc.start()
     send.close()
     first = recv.recv()  # the sender is up (spawn start-up is not timed)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     messages, got = 1, first[2][1]["groups"]
-    unpack_samples(from_bytes(first[2][0]))
+    unpack_samples(from_bytes(ShmCourier.unwrap(first[2][0])))
     while True:
         msg = recv.recv()
         if msg is None:
             break
-        blob, info = msg[2]
-        unpack_samples(from_bytes(blob))  # what the trainer's receiver does with each message
+        ref, info = msg[2]
+        unpack_samples(from_bytes(ShmCourier.unwrap(ref)))  # what the trainer's receiver does with each message
         messages += 1
         got += info["groups"]
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
@@ -172,21 +179,25 @@ def main() -> None:
     for s in small:
         s.prompt_ids = s.prompt_ids[:24]
     groups = [small[i : i + GROUP] for i in range(0, len(small), GROUP)]
-    single = message_phase(groups, False, args.max_bytes, args.window_s)
-    agg = message_phase(groups, True, args.max_bytes, args.window_s)
-    for name, r in (("one message per group", single), ("aggregated", agg)):
+    single = message_phase(groups, False, args.max_bytes, args.window_s, shm=False)
+    agg = message_phase(groups, True, args.max_bytes, args.window_s, shm=False)
+    agg_shm = message_phase(groups, True, args.max_bytes, args.window_s, shm=True)
+    for name, r in (("one message per group", single), ("aggregated", agg), ("aggregated, shared memory", agg_shm)):
         print(
             f"{name:>22}: {r['groups_per_s']:9,.0f} groups/s in {r['messages_per_s']:8,.0f} messages/s; "
             f"receiver {r['receiver_cpu_ms_per_group']:.3f} ms CPU per group"
         )
     speedup = agg["groups_per_s"] / single["groups_per_s"]
     print(f"aggregation: {speedup:.1f}x groups/s, {single['messages'] / agg['messages']:.0f}x fewer messages")
+    print(f"shared memory vs pipe (aggregated): {agg_shm['groups_per_s'] / agg['groups_per_s']:.2f}x groups/s")
     print(
         json.dumps(
             {
                 "bytes": b,
                 "single": single,
                 "aggregated": agg,
+                "aggregated_shared_memory": agg_shm,
+                "shared_memory_over_pipe_groups_per_s": agg_shm["groups_per_s"] / agg["groups_per_s"],
                 "aggregated_over_single_groups_per_s": speedup,
                 "targets": {"packed_over_padded_max": 0.2},
             }

@@ -15,6 +15,7 @@ directives are the shared ``runtime.pipeline.RunContext``'s.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -28,9 +29,10 @@ from runtime.evaluator import BackgroundEvaluator
 from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
 from runtime.queue import QueueClosed, SampleQueue
 from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
-from runtime.rollout_instance import rollout_process
+from runtime.rollout_instance import rollout_process, shm_prefix
 from runtime.samples import Sample
 from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler, LengthPredictor
+from runtime.transfer import ShmCourier, sweep
 from runtime.weights import WeightService
 
 
@@ -123,7 +125,11 @@ class _AsyncState:
         from runtime.queue import unpack_samples
 
         if kind == "samples":
-            blob, info = payload
+            ref, info = payload
+            blob = ShmCourier.unwrap(ref)
+            if blob is None:  # its segment was swept: the sender died, and its work is issued again
+                self.discarded += 1
+                return
             samples = unpack_samples(from_bytes(blob))
             with self.lock:
                 self._account(slot, info)
@@ -310,6 +316,7 @@ class AsyncMode:
         slot.work_q.cancel_join_thread()  # nobody reads it any more: never block exit on it
         slot.work_q.close()
         ctx.weights.reader_died(slot.proc.pid)  # the others must not wait for a lock it died holding
+        sweep(shm_prefix(os.getpid(), rank, slot.proc.pid))  # segments it made but could not announce
         budget = ctx.spec.resources.rollout_restarts
         if self.restarts[rank] >= budget:
             raise PipelineError(
@@ -475,6 +482,7 @@ class AsyncMode:
         st.done = True  # every process has exited: the receiver drains what they sent, then stops
         if receiver.is_alive():
             receiver.join(timeout=60)
+        sweep(shm_prefix(os.getpid(), 0))  # what no one will read any more
         if self.evaluator is not None:
             for eval_step, result in self.evaluator.close(wait=wait_eval):
                 self.ctx.record_eval(eval_step, result)

@@ -70,6 +70,11 @@ class _Group:
     tokens: int = 0
 
 
+def shm_prefix(trainer_pid: int, rank: int, pid: int | None = None) -> str:
+    """Names of the shared-memory segments of a trainer's instances (of one instance process, with ``pid``)."""
+    return f"tandem-{trainer_pid}-" + ("" if pid is None else f"{rank}-{pid}-")
+
+
 class RolloutInstance:
     """The instance's state and loop; built inside the spawned process by :func:`rollout_process`."""
 
@@ -97,6 +102,11 @@ class RolloutInstance:
         self.out: Aggregator[tuple[_Group, list[Sample] | None]] = Aggregator(
             p.transfer_max_bytes, p.transfer_window_s, lambda e: sample_nbytes(e[1] or [])
         )
+        self.courier = None
+        if p.transfer_shm_min_bytes is not None:
+            from runtime.transfer import ShmCourier
+
+            self.courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), p.transfer_shm_min_bytes)
         self.busy_s = 0.0
         self.throttled_s = 0.0
         self.stats_sent = (0, 0, 0)  # generated, real, allocated tokens at the last message
@@ -220,7 +230,8 @@ class RolloutInstance:
         self.busy_s = self.throttled_s = 0.0
         for g, _ in entries:
             self.groups.pop(g.ticket, None)
-        self.conn.send(("samples", self.rank, (to_bytes(pack_samples(kept)), info)))
+        blob = to_bytes(pack_samples(kept))
+        self.conn.send(("samples", self.rank, (self.courier.wrap(blob) if self.courier else blob, info)))
 
     def reward_deltas(self) -> dict[str, float]:
         if self.reward is None:

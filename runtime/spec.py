@@ -196,6 +196,11 @@ class PipelineSpec(_Section):
     transfer_window_s: float = Field(
         0.05, ge=0, le=60, description="Async: ... or once the oldest finished group has waited this long."
     )
+    transfer_shm_min_bytes: int | None = Field(
+        65536,
+        ge=0,
+        description="Async: messages this large go through shared memory, the pipe carrying a reference; None: never.",
+    )
     scale_up_below: float = Field(
         0.25, ge=0, le=1, description="Async: add a rollout instance when the queue watermark stays below this fill."
     )

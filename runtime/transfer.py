@@ -73,4 +73,81 @@ def sample_nbytes(samples: list[Any]) -> int:
     return sum(8 * len(s.prompt_ids) + 24 * len(s.response_ids) + per_sample for s in samples)
 
 
-__all__ = ["Aggregator", "sample_nbytes"]
+class ShmCourier:
+    """Large messages through POSIX shared memory on one host: the pipe carries only a reference.
+
+    ``wrap(blob)`` copies a blob of at least ``min_bytes`` into a new segment named
+    ``<prefix><n>`` and returns ``("shm", name, size)``; smaller blobs travel as they are.
+    ``unwrap(ref)`` on the receiving side copies the bytes out and unlinks the segment; a segment
+    already gone (its sender died and it was swept) yields None — the receiver then drops the
+    message, whose work is issued again with the rest of the dead sender's. The sender does not
+    keep the segment registered with its own resource tracker (the receiver unlinks it); a
+    segment created by a sender killed before it could send the reference is removed by
+    :func:`sweep` of the sender's prefix.
+    """
+
+    def __init__(self, prefix: str, min_bytes: int = 1 << 16):
+        self.prefix = prefix
+        self.min_bytes = min_bytes
+        self.sent = 0
+
+    def wrap(self, blob: bytes) -> bytes | tuple[str, str, int]:
+        if len(blob) < self.min_bytes:
+            return blob
+        from multiprocessing import resource_tracker, shared_memory
+
+        name = f"{self.prefix}{self.sent}"
+        self.sent += 1
+        segment = shared_memory.SharedMemory(name=name, create=True, size=len(blob))
+        try:
+            buf = segment.buf
+            assert buf is not None
+            buf[: len(blob)] = blob
+            del buf  # no view may outlive close()
+        finally:
+            segment.close()
+        # the receiver unlinks it; left registered, our tracker would unlink it again (or too early) at exit
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+        return ("shm", name, len(blob))
+
+    @staticmethod
+    def unwrap(ref: bytes | tuple[str, str, int]) -> bytes | None:
+        if isinstance(ref, bytes):
+            return ref
+        from multiprocessing import shared_memory
+
+        _, name, size = ref
+        try:
+            segment = shared_memory.SharedMemory(name=name)  # registers with our tracker; unlink() unregisters
+        except FileNotFoundError:
+            return None
+        try:
+            buf = segment.buf
+            assert buf is not None
+            blob = bytes(buf[:size])
+            del buf  # no view may outlive close()
+            return blob
+        finally:
+            segment.close()
+            segment.unlink()
+
+
+def sweep(prefix: str) -> int:
+    """Remove the shared-memory segments whose names start with ``prefix`` (Linux: /dev/shm); returns how many."""
+    import os
+
+    root = "/dev/shm"
+    if not os.path.isdir(root):
+        return 0
+    removed = 0
+    for name in os.listdir(root):
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(root, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+__all__ = ["Aggregator", "ShmCourier", "sample_nbytes", "sweep"]

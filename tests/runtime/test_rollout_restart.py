@@ -60,7 +60,14 @@ def _rollout_children():
 
 @pytest.mark.slow
 def test_killed_rollout_processes_are_replaced_and_no_sample_is_lost_or_duplicated(tmp_path):
-    spec = _spec(tmp_path, pipeline__steps=6, resources__rollout_workers=2, resources__rollout_restarts=2)
+    # results through shared memory: a killed process's segments are swept, read ones unlinked
+    spec = _spec(
+        tmp_path,
+        pipeline__steps=6,
+        pipeline__transfer_shm_min_bytes=1,
+        resources__rollout_workers=2,
+        resources__rollout_restarts=2,
+    )
     control = Control()
     stop, killed = _killer(control, {2: [0, 1], 4: [0]})  # both at once, then rank 0 a second time
     result = run(spec, control=control, stop=stop)
@@ -91,6 +98,7 @@ def test_killed_rollout_processes_are_replaced_and_no_sample_is_lost_or_duplicat
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness/max"] == 0 for r in steps)
     assert _rollout_children() == []
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"tandem-{os.getpid()}-")] == []
 
 
 @pytest.mark.slow

@@ -272,3 +272,38 @@ def test_an_instance_forgets_the_groups_of_an_older_epoch(tmp_path):
         assert 0 not in h.instance.groups and 2 not in h.instance.groups and h.instance.held == []
     finally:
         h.close()
+
+
+# ----- shared-memory transfer --------------------------------------------------------------------------------
+def shm_names(prefix):
+    import os
+
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def test_large_messages_cross_through_shared_memory_and_leave_nothing_behind():
+    from runtime.transfer import ShmCourier
+
+    prefix = f"tandem-test-{time.monotonic_ns()}-"
+    courier = ShmCourier(prefix, min_bytes=1000)
+    assert courier.wrap(b"x" * 999) == b"x" * 999  # small: as it is, through the pipe
+    blob = bytes(range(256)) * 40
+    ref = courier.wrap(blob)
+    assert ref == ("shm", f"{prefix}0", len(blob)) and shm_names(prefix) == [f"{prefix}0"]
+    assert ShmCourier.unwrap(ref) == blob
+    assert shm_names(prefix) == []  # the receiver unlinked it
+    assert ShmCourier.unwrap(ref) is None  # gone: the message is dropped, not an error
+    assert ShmCourier.unwrap(b"abc") == b"abc"
+
+
+def test_sweep_removes_the_segments_of_a_dead_sender_only():
+    from runtime.transfer import ShmCourier, sweep
+
+    stamp = time.monotonic_ns()
+    dead, alive = ShmCourier(f"tandem-test-{stamp}-0-", 1), ShmCourier(f"tandem-test-{stamp}-1-", 1)
+    dead.wrap(b"lost")
+    dead.wrap(b"lost too")
+    kept = alive.wrap(b"still to be read")
+    assert sweep(f"tandem-test-{stamp}-0-") == 2
+    assert shm_names(f"tandem-test-{stamp}-") == [f"tandem-test-{stamp}-1-0"]
+    assert ShmCourier.unwrap(kept) == b"still to be read"
