@@ -53,9 +53,11 @@ def test_two_streaming_instances_share_the_work_and_report_the_bubbles(tmp_path)
         assert r["rollout/skewness"] >= 1.0 and r["rollout/sorting_wait"] >= 0.0
         assert r["rollout/active_instances"] == 2
         assert r["staleness/max"] <= 1
-    # both instances generated (dispatch spreads the work), each with its own padding figure
+    # dispatch spread the work over both instances (which of them produced what the five steps consumed
+    # depends on how fast each started); each reports its own figures
+    assert {rank for _, rank, _ in result["trace"]["issued_to"]} == {0, 1}
+    assert sum(r[f"rollout/instance/{rank}/busy_s"] for r in steps for rank in (0, 1)) > 0
     for rank in (0, 1):
-        assert sum(r[f"rollout/instance/{rank}/busy_s"] for r in steps) > 0
         assert all(0.0 <= r[f"rollout/instance/{rank}/padding_ratio"] < 1.0 for r in steps)
     assert [len(s) for s in result["trace"]["consumed"]] == [4] * 5
     accounted_once(result["trace"])
@@ -106,7 +108,8 @@ def test_rewards_from_a_failing_server_drop_whole_groups_and_lose_nothing(tmp_pa
 @pytest.mark.slow
 def test_a_hung_instance_is_killed_and_replaced_and_nothing_is_lost(tmp_path):
     # one instance: the run cannot go on until the frozen one is found out and replaced
-    spec = tiny_spec(tmp_path, "hung", BASE, rollout__hang_timeout_s=2.0, resources__rollout_workers=1)
+    # 5 s: a healthy instance beats every second, with room for a loaded machine's hiccups
+    spec = tiny_spec(tmp_path, "hung", BASE, rollout__hang_timeout_s=5.0, resources__rollout_workers=1)
     control = Control()
     stopped = []
 
@@ -122,7 +125,7 @@ def test_a_hung_instance_is_killed_and_replaced_and_nothing_is_lost(tmp_path):
     _, events = read_jsonl(tmp_path / "hung" / "metrics.jsonl")
     restarted = [e["payload"] for e in events if e["event"] == "rollout_restarted"]
     assert [(e["rank"], e["reason"]) for e in restarted] == [
-        (0, "sent nothing for rollout.hang_timeout_s=2 s and was killed")
+        (0, "sent nothing for rollout.hang_timeout_s=5 s and was killed")
     ]
     assert stopped and stopped[0] not in control.status()["rollout_pids"]
     accounted_once(result["trace"])
