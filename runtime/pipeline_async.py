@@ -44,7 +44,6 @@ class _Slot:
     proc: Any
     work_q: Any
     conn: Any  # the trainer's (receiving) end of the result pipe
-    outstanding: int = 0  # groups issued to it and not yet returned
     eof: bool = False  # its pipe is closed: the process is gone and everything it sent was read
     dead_since: float | None = None
     handled: bool = False  # its death was handled (work re-issued, replacement started)
@@ -134,6 +133,7 @@ class _AsyncState:
             with self.lock:
                 self._account(slot, info)
                 accepted: set[int] = set()
+                dropped = set(info["dropped"])
                 for ticket in info["tickets"] + info["dropped"]:
                     held = self.owner.get(ticket)
                     if held is None or held[0] is not slot:  # withdrawn: a dead instance's, or from before a rollback
@@ -141,9 +141,8 @@ class _AsyncState:
                         continue
                     del self.owner[ticket]
                     item = self.in_flight.pop(held[1])
-                    slot.outstanding -= 1
-                    self.dispatcher.complete(slot.rank, ticket, 0.0, 0.0)
-                    if ticket in info["dropped"]:
+                    self.dispatcher.complete(slot.rank, ticket, 0.0, 0.0)  # throughput: measured in _account
+                    if ticket in dropped:
                         self.reward_dropped.append(item.index)
                     else:
                         accepted.add(item.index)
@@ -182,7 +181,6 @@ class _AsyncState:
         for ticket, (holder, index) in list(self.owner.items()):
             if slot is None or holder is slot:
                 del self.owner[ticket]
-                holder.outstanding -= 1
                 items.append(self.in_flight.pop(index))
         if slot is None:
             self.dispatcher.forget()
@@ -368,7 +366,6 @@ class AsyncMode:
                     st.next_ticket += 1
                     st.dispatcher.assign(ticket, rank, cost)
                     st.owner[ticket] = (live[rank], it.index)
-                    live[rank].outstanding += 1
                     st.in_flight[it.index] = it
                     messages.setdefault(rank, []).append((ticket, it.pack()))
                     issued = ctx.trace["issued_to"]

@@ -140,25 +140,17 @@ class RolloutWorker:
     """
 
     def __init__(self, spec: RunSpec, engine: Any, tokenizer: Any, task: Any, device: torch.device):
-        from runtime.rollout.engine import SamplingParams
+        from runtime.rollout import sampling_params
 
         self.spec = spec
         self.engine = engine
         self.tokenizer = tokenizer
         self.task = task
         self.device = device
-        r = spec.rollout
         self.group_size = spec.algorithm.group_size
-        self.params = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop_ids=(tokenizer.eos_id,),
-            n=self.group_size,
-        )
+        self.params = sampling_params(spec.rollout, n=self.group_size, stop_ids=(tokenizer.eos_id,))
         # prompts per engine call: a whole number of groups within the engine's batch size
-        self.prompts_per_batch = max(1, r.max_batch_size // self.group_size)
+        self.prompts_per_batch = max(1, spec.rollout.max_batch_size // self.group_size)
         self.reward = None
         if spec.reward.url:
             from runtime.tasks.reward_service import RewardClient

@@ -109,7 +109,7 @@ class RolloutInstance:
             self.courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), p.transfer_shm_min_bytes)
         self.busy_s = 0.0
         self.throttled_s = 0.0
-        self.stats_sent = (0, 0, 0)  # generated, real, allocated tokens at the last message
+        self.stats_sent = (0, 0)  # the engine's real and allocated tokens at the last message
         self.last_beat = 0.0
 
     # ---- intake ----
@@ -211,10 +211,9 @@ class RolloutInstance:
 
         entries = self.out.flush()
         kept = [s for g, samples in entries if samples is not None for s in samples]
-        stats = self.engine.stats
-        gen, real, alloc = stats.generated_tokens, stats.real_tokens, stats.allocated_tokens
-        sent_gen, sent_real, sent_alloc = self.stats_sent
-        self.stats_sent = (gen, real, alloc)
+        real, alloc = self.engine.stats.real_tokens, self.engine.stats.allocated_tokens
+        sent_real, sent_alloc = self.stats_sent
+        self.stats_sent = (real, alloc)
         info = {
             "tickets": [g.ticket for g, samples in entries if samples is not None],
             "dropped": [g.ticket for g, samples in entries if samples is None],

@@ -41,3 +41,13 @@ def tiny_spec(tmp_path, name: str, base: dict[str, Any] = TINY, **over: Any) -> 
         section, field = dotted.split("__")
         data.setdefault(section, {})[field] = value
     return load_spec(data)
+
+
+def assert_each_group_once(consumed_steps: list[list[int]], *others: list[int]) -> list[int]:
+    """Every issued group (issue index) accounted for exactly once: consumed by a step, or in one of ``others``
+    (dropped, left over, ...), and no index missing; returns the consumed ones."""
+    consumed = [g for step in consumed_steps for g in step]
+    everything = consumed + [g for other in others for g in other]
+    assert len(everything) == len(set(everything))  # nothing twice
+    assert set(everything) == set(range(max(everything) + 1))  # nothing lost
+    return consumed

@@ -15,7 +15,7 @@ import torch
 from runtime.control import Control
 from runtime.metrics import read_jsonl
 from runtime.pipeline import run
-from tests.runtime.helpers import derived, tiny_spec
+from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 from tests.runtime.reward_server import RewardServer
 
 BASE = derived(
@@ -34,11 +34,9 @@ def _one_thread():
 
 
 def accounted_once(trace):
-    consumed = [g for step in trace["consumed"] for g in step]
-    everything = consumed + trace["dropped"] + trace.get("reward_dropped", []) + trace["leftover"]
-    assert len(everything) == len(set(everything))  # nothing twice
-    assert set(everything) == set(range(max(everything) + 1))  # nothing lost
-    return consumed
+    return assert_each_group_once(
+        trace["consumed"], trace["dropped"], trace.get("reward_dropped", []), trace["leftover"]
+    )
 
 
 @pytest.mark.slow

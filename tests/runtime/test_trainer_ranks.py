@@ -17,7 +17,7 @@ from runtime.control import Control, Directive
 from runtime.metrics import read_jsonl
 from runtime.pipeline import CHECKPOINT_DIR, run
 from runtime.trainer_group import TrainerGroup, TrainerGroupError, shards
-from tests.runtime.helpers import derived, tiny_spec
+from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 
 BASE = derived(seed=7, pipeline={"steps": 2}, checkpoint={"interval": 0}, trainer={"collective_timeout_s": 60})
 
@@ -77,9 +77,11 @@ def test_async_with_two_ranks_resumes_and_follows_a_live_lr_change(tmp_path):
     ckpt = tmp_path / "run" / CHECKPOINT_DIR / "step-00000002"
     second = run(tiny_spec(tmp_path, "run", BASE, pipeline__steps=4, **over), resume=ckpt)
     assert second["outcome"] == "completed" and second["steps"] == 4
-    consumed = [g for s in first["trace"]["consumed"] + second["trace"]["consumed"] for g in s]
-    everything = consumed + second["trace"]["dropped"] + second["trace"]["leftover"]
-    assert len(everything) == len(set(everything)) and set(everything) == set(range(max(everything) + 1))
+    assert_each_group_once(
+        first["trace"]["consumed"] + second["trace"]["consumed"],
+        second["trace"]["dropped"],
+        second["trace"]["leftover"],
+    )
 
 
 @pytest.mark.slow
