@@ -194,7 +194,9 @@ def _command(platform, cluster, run, kind, args=None) -> Command:
 
 
 def test_commands_round_trip_through_the_runtime(platform, cluster):
-    run = _submit(platform, cluster, spec_text("commands", steps=400, interval=2))
+    # every checkpoint kept: the rollback goes to the first one, which a fast run would otherwise have
+    # rotated out (keep_last) while the other commands ran
+    run = _submit(platform, cluster, spec_text("commands", steps=400, interval=2, checkpoint={"keep_last": 400}))
     _wait_state(platform, run, RunState.RUNNING)
     wait_for(
         lambda: CheckpointRecord.objects.filter(run=run, step__gte=4).exists(), "checkpoints", RUN_S, platform.logs
