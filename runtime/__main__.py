@@ -4,7 +4,9 @@
     python -m runtime sft SPEC.yaml [key.sub=value ...] --steps N --out DIR
     python -m runtime eval --checkpoint DIR [--spec SPEC.yaml] [key.sub=value ...]
     python -m runtime validate SPEC.yaml [key.sub=value ...]
+    python -m runtime rollout SPEC.yaml --index I [--endpoint FILE] [key.sub=value ...]   (a remote rollout instance)
     python -m runtime role trainer --spec FILE --workdir DIR [--resume auto|never]   (platform-managed runs)
+    python -m runtime role rollout --spec FILE --workdir DIR                         (its remote rollout instances)
 
 Bad input — an unknown or invalid field, an impossible combination, a
 missing model path or dataset, a device that is not there, a corrupt or
@@ -150,12 +152,34 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from runtime.devices import resolve_device
+    from runtime.models import check_model_path
+    from runtime.rollout_link import env_key
+    from runtime.rollout_remote import RemoteInstance, RolloutRefused, endpoint_path
+
+    spec = load_spec(args.spec, args.overrides)
+    resolve_device(spec.resources.device, 0)
+    if spec.model.path:
+        check_model_path(spec.model.path)
+    try:
+        instance = RemoteInstance(spec, args.index, log=lambda m: print(m, file=sys.stderr, flush=True))
+        return instance.serve(endpoint_path(spec, args.endpoint), env_key())
+    except RolloutRefused as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _cmd_role(args: argparse.Namespace) -> int:
     from runtime import role
 
     options = role.parse_args(args.rest)
     env = role.read_env(os.environ)
     spec = role.load_role_spec(options.spec, options.workdir)
+    if options.role == "rollout":
+        from runtime.devices import resolve_device
+
+        resolve_device(spec.resources.device, 0)  # its one device; the model is checked as it loads
+        return role.run_rollout(spec, env, options.workdir)
     preflight(spec)
     resume = role.find_resume(options.workdir) if options.resume == "auto" else None
     summary = role.run_trainer(spec, env, options.workdir, resume)
@@ -185,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", help="spec to take the task from (default: the run's resolved_spec.yaml)")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("rollout", help="a remote rollout instance of an async run (connects to its trainer)")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (the trainer's spec must match)")
+    p.add_argument("--index", type=int, required=True, help="which remote instance: 0 .. remote_rollout_workers-1")
+    p.add_argument(
+        "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
+    )
+    p.set_defaults(func=_cmd_rollout)
 
     p = sub.add_parser("validate", help="print the resolved spec, or the field errors")
     p.add_argument("spec")

@@ -30,6 +30,7 @@ from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
 from runtime.queue import QueueClosed, SampleQueue
 from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
 from runtime.rollout_instance import rollout_process, shm_prefix
+from runtime.rollout_link import WeightBlobs
 from runtime.samples import Sample
 from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler, LengthPredictor
 from runtime.transfer import ShmCourier, sweep
@@ -50,6 +51,7 @@ class _Slot:
     last_seen: float = field(default_factory=time.monotonic)  # its last message (heartbeats included)
     ready: bool = False  # it has built its engine (start-up, which may load a large model, is not timed)
     hung: bool = False  # killed for silence
+    remote: bool = False  # a remote instance: ``proc`` and ``work_q`` are its RemotePeer (runtime.rollout_link)
 
 
 class _AsyncState:
@@ -63,7 +65,7 @@ class _AsyncState:
     """
 
     def __init__(self, queue: SampleQueue, weights: WeightService, spec: Any):
-        ranks = list(range(spec.resources.rollout_workers))
+        ranks = list(range(spec.resources.all_rollout_workers))
         self.queue = queue
         self.weights = weights
         self.group_size = spec.algorithm.group_size
@@ -108,7 +110,10 @@ class _AsyncState:
                     kind, rank, payload = slot.conn.recv()
                 except (EOFError, OSError):  # the process is gone (exit, kill) and its pipe is drained
                     slot.conn.close()
-                    self.weights.reader_gone(slot.proc.pid)
+                    if slot.remote:
+                        slot.proc.gone()
+                    else:
+                        self.weights.reader_gone(slot.proc.pid)
                     with self.lock:
                         slot.eof = True
                     continue
@@ -230,8 +235,8 @@ class AsyncMode:
         self.st = _AsyncState(self.queue, ctx.weights, spec)
         r = spec.resources
         self.scaler = InstanceScaler(
-            r.min_rollout_workers or r.rollout_workers,
-            r.rollout_workers,
+            r.min_rollout_workers or r.all_rollout_workers,
+            r.all_rollout_workers,
             spec.pipeline.scale_up_below,
             spec.pipeline.scale_down_above,
         )
@@ -246,7 +251,11 @@ class AsyncMode:
             )
         ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)  # every version a consumable sample can come from
         self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.G))
-        self.restarts = [0] * spec.resources.rollout_workers
+        self.restarts = [0] * spec.resources.rollout_workers  # of each local instance
+        self.listener: Any = None  # accepts remote instances (resources.remote_rollout_workers)
+        self.blobs = WeightBlobs()
+        self.closing = False
+        self.news: list[tuple[str, dict[str, Any]]] = []  # events of other threads, reported by the main one
         self.steps_done = ctx.start_step
         ctx.trace["issued_to"] = []  # [steps done when issued, rollout rank, groups]: runs of consecutive issues
         self.evaluator: BackgroundEvaluator | None = None
@@ -275,13 +284,93 @@ class AsyncMode:
         return [s for s in self.st.slots if not s.handled and s.dead_since is None]
 
     def rollout_status(self) -> dict[str, Any]:
-        pids = [s.proc.pid for s in sorted(self.live_slots(), key=lambda s: s.rank)]
-        return {"rollout_pids": pids, "rollout_restarts": sum(self.restarts)}
+        live = sorted(self.live_slots(), key=lambda s: s.rank)
+        status: dict[str, Any] = {
+            "rollout_pids": [s.proc.pid for s in live if not s.remote],
+            "rollout_restarts": sum(self.restarts),
+        }
+        if self.listener is not None:
+            status["rollout_remote"] = [
+                {"rank": s.rank, "host": s.proc.host, "pid": s.proc.pid} for s in live if s.remote
+            ]
+        return status
+
+    # ---- remote instances (runtime.rollout_link) ----
+    def listen(self) -> None:
+        """Accept remote instances; their endpoint goes to the output directory (shared with their hosts)."""
+        import secrets
+
+        from runtime.rollout_link import (
+            ENDPOINT_FILE,
+            Endpoint,
+            RolloutListener,
+            advertised_address,
+            env_key,
+            write_endpoint,
+        )
+
+        key = env_key()
+        drawn = key is None  # standalone: draw one; the endpoint file (mode 0600) carries it
+        if key is None:
+            key = secrets.token_hex(32).encode()
+        self.listener = RolloutListener(self.ctx.spec.pipeline.rollout_listen, key, self.admit)
+        self.ctx.weights.on_publish = self.push_weights
+        endpoint = Endpoint(
+            advertised_address(self.listener.bind_host),
+            self.listener.port,
+            secrets.token_hex(8),
+            key if drawn else None,
+        )
+        write_endpoint(self.ctx.out_dir / ENDPOINT_FILE, endpoint)
+        self.listener.start()
+        self.ctx.reporters.event("rollout_listening", {"address": endpoint.address, "port": endpoint.port})
+
+    def admit(self, conn: Any, hello: dict[str, Any]) -> tuple[str, bool] | None:
+        """A remote instance said hello (listener thread): refuse it with (reason, retry later?), or take it."""
+        from runtime.rollout_link import RemotePeer, spec_digest
+
+        spec = self.ctx.spec
+        r = spec.resources
+        rank = hello.get("rank")
+        if not isinstance(rank, int) or not r.rollout_workers <= rank < r.all_rollout_workers:
+            first, last = r.rollout_workers, r.all_rollout_workers - 1
+            return f"rank {rank!r} is not a remote rollout rank of this run ({first}..{last})", False
+        if hello.get("digest") != spec_digest(spec):
+            return "its spec differs from the trainer's (model, task, rollout, reward, group size or seed)", False
+        with self.st.lock:
+            if self.closing:
+                return "the trainer is shutting down", True
+            if any(s.rank == rank and not s.handled for s in self.st.slots):
+                return f"rank {rank} is still connected", True
+            conn.send(("welcome", {"epoch": int(self.flags[EPOCH])}))
+            peer = RemotePeer(conn, rank, int(hello.get("pid") or 0), str(hello.get("host") or "?"))
+            self.st.slots.append(_Slot(rank, peer, peer, conn, remote=True))
+            self.st.dispatcher.restore(rank)
+            # a version published from now on is pushed by push_weights; this one is the current
+            version = self.ctx.weights.version
+            self.push_to(peer, version, self.ctx.weights.state(version))
+            self.news.append(("rollout_connected", {"rank": rank, "host": peer.host, "pid": peer.pid}))
+        return None
+
+    def push_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        with self.st.lock:
+            peers = [s.proc for s in self.live_slots() if s.remote]
+        for peer in peers:
+            self.push_to(peer, version, state)
+
+    def push_to(self, peer: Any, version: int, state: dict[str, torch.Tensor]) -> None:
+        peer.push_weights(version, lambda: self.blobs.get(version, state))
 
     def supervise(self) -> None:
         """Fail on a rollout error; replace a rollout process that died or went silent, issuing its work again."""
         if self.st.error:
             raise PipelineError(self.st.error)
+        with self.st.lock:
+            news, self.news = self.news, []
+        for kind, payload in news:
+            self.ctx.reporters.event(kind, payload)
+        if news:
+            self.ctx.publish_status(**self.rollout_status())
         now = time.monotonic()
         hang_s = self.ctx.spec.rollout.hang_timeout_s
         for slot in list(self.st.slots):
@@ -301,7 +390,7 @@ class AsyncMode:
 
     def replace(self, slot: _Slot) -> None:
         ctx, rank = self.ctx, slot.rank
-        reason = _death_reason(slot.proc.exitcode)
+        reason = "its connection closed" if slot.remote else _death_reason(slot.proc.exitcode)
         if slot.hung:
             reason = f"sent nothing for rollout.hang_timeout_s={ctx.spec.rollout.hang_timeout_s:g} s and was killed"
         slot.handled = True
@@ -311,6 +400,12 @@ class AsyncMode:
                 item.pinned = True
             ctx.source.give_back(items)
             self.st.slots = [s for s in self.st.slots if not (s.handled and s.eof) or s is slot]
+        if slot.remote:  # it reconnects by itself, or its role is restarted by the platform
+            ctx.reporters.event(
+                "rollout_disconnected", {"rank": rank, "host": slot.proc.host, "reason": reason, "reissued": len(items)}
+            )
+            ctx.publish_status(**self.rollout_status())
+            return
         slot.work_q.cancel_join_thread()  # nobody reads it any more: never block exit on it
         slot.work_q.close()
         ctx.weights.reader_died(slot.proc.pid)  # the others must not wait for a lock it died holding
@@ -383,9 +478,12 @@ class AsyncMode:
         B = self.B
         probe = ConsistencyProbe(spec, ctx.device, max_samples=min(self.G, 4))  # a sample of the batch: cheap
         self.shared = ctx.weights.shared_handle(trainer.publish_state(), self.mp)
+        if spec.resources.remote_rollout_workers:
+            self.listen()
         ctx.weights.initialize(trainer.publish_state())
         receiver = threading.Thread(target=st.receive, name="receiver", daemon=True)
         step = ctx.start_step
+        ended = False
         try:
             for rank in range(spec.resources.rollout_workers):
                 self.spawn(rank)
@@ -443,8 +541,9 @@ class AsyncMode:
                 if nxt != step:  # rolled back
                     queue.reset_watermark()
                 step = nxt
+            ended = True
         finally:
-            self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != "cancelled")
+            self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != "cancelled", ended=ended)
         with st.lock:
             ctx.trace["reward_dropped"] = list(st.reward_dropped)
             ctx.trace["leftover"] = sorted(
@@ -463,12 +562,24 @@ class AsyncMode:
                 "rollout_scaled", {"step": step, "active": after, "was": before, "watermark_fill": fill}
             )
 
-    def shutdown(self, receiver: threading.Thread, wait_eval: bool) -> None:
+    def shutdown(self, receiver: threading.Thread, wait_eval: bool, ended: bool = True) -> None:
+        """Stop the rollout instances. Remote ones are told the run ended only when it did (``ended``);
+        after a failure they wait for a restarted trainer instead."""
         st = self.st
         self.flags[STOP] = 1
-        slots = list(st.slots)
+        with st.lock:
+            self.closing = True
+            slots = list(st.slots)
+        if self.listener is not None:
+            from runtime.rollout_link import ENDPOINT_FILE, write_endpoint
+
+            self.listener.close()
+            if ended:
+                write_endpoint(self.ctx.out_dir / ENDPOINT_FILE, None)
         for slot in slots:
-            if not slot.handled:
+            if slot.remote:
+                slot.proc.close(stop=ended)
+            elif not slot.handled:
                 slot.work_q.put(None)
         for slot in slots:
             slot.proc.join(timeout=60)
@@ -510,6 +621,9 @@ class AsyncMode:
         with self.st.lock:
             self.st.withdraw()  # late results of these tickets are dropped on arrival
             self.flags[EPOCH] += 1  # and rollout processes skip the messages they have not started
+            for slot in self.live_slots():
+                if slot.remote:
+                    slot.proc.set_epoch(int(self.flags[EPOCH]))
         if self.evaluator is not None:  # evaluations of the abandoned timeline are reported before the rollback
             for eval_step, result in self.evaluator.close(wait=False):
                 self.ctx.record_eval(eval_step, result)

@@ -37,7 +37,7 @@ from runtime.control import Directive
 from runtime.reporting_http import SPOOL_FILE, HttpReporter, JsonPoster, PostError
 from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
 
-ROLES = ("trainer",)
+ROLES = ("trainer", "rollout")
 COMMANDS_FILE = "commands.jsonl"
 SPOOL_DIR = "spool"
 TOKEN_FILE = "token"
@@ -80,7 +80,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> RoleArgs:
     parser = _Parser(prog="python -m runtime role", allow_abbrev=False, description="run one role of a platform run")
-    parser.add_argument("role", help="the role to run: trainer")
+    parser.add_argument("role", help="the role to run: trainer, or rollout (a remote rollout instance)")
     parser.add_argument("--spec", required=True, help="the run's resolved spec (YAML)")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics, spools and commands.jsonl go here")
     parser.add_argument(
@@ -420,3 +420,56 @@ class TrainerRole:
 def run_trainer(spec: RunSpec, env: RoleEnv, workdir: Path, resume: Path | None) -> dict[str, Any]:
     """Run the trainer role; returns ``{"outcome", "steps", "checkpoint"}``."""
     return TrainerRole(spec, env, workdir, resume).run()
+
+
+# ---------------------------------------------------------------------------------- a remote rollout role
+
+
+def rollout_index(role: str) -> int:
+    """``rollout-<i>`` -> i (which remote rollout instance of the run this role is)."""
+    match = re.fullmatch(r"rollout-(\d+)", role)
+    if match is None:
+        raise RoleInputError(f"TANDEM_ROLE: a rollout role is named rollout-<index>, got {role!r}")
+    return int(match.group(1))
+
+
+def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
+    """One attempt of a remote rollout instance (runtime.rollout_remote) under the platform: it finds the
+    trainer through ``<workdir>/rollout-endpoint.json`` and heartbeats its status (commands are the
+    trainer's: a rollout role's heartbeat carries none). Returns the exit status."""
+    from runtime.rollout_link import ENDPOINT_FILE, env_key
+    from runtime.rollout_remote import RemoteInstance, RolloutRefused
+
+    index = rollout_index(env.role)
+    status = {"now": "starting"}
+    poster = JsonPoster(env.platform_url, env.token)
+
+    def body(state: str | None) -> dict[str, Any]:
+        info = {"host": env.host, "pid": os.getpid()}
+        return {
+            "run": env.run_id,
+            "attempt": env.attempt,
+            "role": env.role,
+            "status": state or status["now"],
+            "info": info,
+        }
+
+    def changed(now: str) -> None:
+        status["now"] = now
+        heartbeat.changed(now)
+
+    heartbeat = Heartbeat(poster, env.heartbeat_s, body, lambda reply: None)
+    heartbeat.beat()
+    heartbeat.start()
+    final = "failed"
+    try:
+        try:
+            instance = RemoteInstance(spec, index, log=_log)
+            code = instance.serve(workdir / ENDPOINT_FILE, env_key(), changed)
+        except RolloutRefused as exc:
+            raise RoleInputError(str(exc)) from None
+        final = "finished" if code == 0 else "failed"
+        return code
+    finally:
+        heartbeat.stop()
+        heartbeat.beat(final)

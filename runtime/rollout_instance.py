@@ -78,7 +78,18 @@ def shm_prefix(trainer_pid: int, rank: int, pid: int | None = None) -> str:
 class RolloutInstance:
     """The instance's state and loop; built inside the spawned process by :func:`rollout_process`."""
 
-    def __init__(self, rank: int, spec: Any, engine: Any, tokenizer: Any, task: Any, sub: Any, conn: Any, flags: Any):
+    def __init__(
+        self,
+        rank: int,
+        spec: Any,
+        engine: Any,
+        tokenizer: Any,
+        task: Any,
+        sub: Any,
+        conn: Any,
+        flags: Any,
+        shm: bool = True,
+    ):
         from runtime.rollout import sampling_params
         from runtime.transfer import Aggregator, sample_nbytes
 
@@ -103,7 +114,7 @@ class RolloutInstance:
             p.transfer_max_bytes, p.transfer_window_s, lambda e: sample_nbytes(e[1] or [])
         )
         self.courier = None
-        if p.transfer_shm_min_bytes is not None:
+        if p.transfer_shm_min_bytes is not None and shm:  # shm: the trainer is on this host
             from runtime.transfer import ShmCourier
 
             self.courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), p.transfer_shm_min_bytes)

@@ -207,6 +207,21 @@ class PipelineSpec(_Section):
     scale_down_above: float = Field(
         0.9, ge=0, le=1, description="Async: park a rollout instance when the queue watermark reaches this fill."
     )
+    rollout_listen: str = Field(
+        "0.0.0.0:0",
+        description="Async with remote rollout instances: host:port the trainer accepts them on (port 0: any free one).",
+    )
+    rollout_reconnect_s: float = Field(
+        600.0, gt=0, le=86_400, description="A remote rollout instance waits this long for a trainer before exiting."
+    )
+
+    @field_validator("rollout_listen")
+    @classmethod
+    def _listen_address(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"must be host:port with a port of 0-65535, got {value!r}")
+        return value
 
 
 class ResourcesSpec(_Section):
@@ -216,7 +231,13 @@ class ResourcesSpec(_Section):
         0, ge=0, le=4096, description="Devices for rollout instances; 0 = share the trainer's (colocated/CPU)."
     )
     rollout_workers: int = Field(
-        1, ge=1, le=4096, description="Rollout instances (processes); the most active at once."
+        1, ge=0, le=4096, description="Rollout instances (processes) on the trainer's host; the most active at once."
+    )
+    remote_rollout_workers: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Async: rollout instances run as processes of their own (other hosts), one device each.",
     )
     min_rollout_workers: int | None = Field(
         None,
@@ -239,7 +260,12 @@ class ResourcesSpec(_Section):
     @property
     def total_devices(self) -> int:
         """Devices admission must find for this run, all or nothing."""
-        return self.trainer_devices + self.rollout_devices + self.eval_devices
+        return self.trainer_devices + self.rollout_devices + self.eval_devices + self.remote_rollout_workers
+
+    @property
+    def all_rollout_workers(self) -> int:
+        """Rollout instances of the run: those on the trainer's host, then the remote ones (ranks in that order)."""
+        return self.rollout_workers + self.remote_rollout_workers
 
 
 class CheckpointSpec(_Section):
@@ -308,12 +334,27 @@ class RunSpec(_Section):
                     f"(prompts_per_step x group_size = {self.samples_per_step})",
                 }
             )
-        low = self.resources.min_rollout_workers
-        if low is not None and low > self.resources.rollout_workers:
+        r = self.resources
+        low = r.min_rollout_workers
+        if low is not None and low > r.all_rollout_workers:
             errors.append(
                 {
                     "field": "resources.min_rollout_workers",
-                    "message": f"{low} is more than resources.rollout_workers ({self.resources.rollout_workers})",
+                    "message": f"{low} is more than the run's rollout instances ({r.all_rollout_workers})",
+                }
+            )
+        if r.remote_rollout_workers and self.pipeline.mode != "async":
+            errors.append(
+                {
+                    "field": "resources.remote_rollout_workers",
+                    "message": f"remote rollout instances need pipeline.mode async, not {self.pipeline.mode}",
+                }
+            )
+        if r.rollout_workers == 0 and not (r.remote_rollout_workers and self.pipeline.mode == "async"):
+            errors.append(
+                {
+                    "field": "resources.rollout_workers",
+                    "message": "0 is allowed only in async mode with resources.remote_rollout_workers",
                 }
             )
         if self.pipeline.scale_up_below >= self.pipeline.scale_down_above:

@@ -13,8 +13,9 @@ Every published weight set gets a version, strictly increasing over the run.
   half-written buffer; a reader records its pid while it holds the lock, so
   that the lock of a reader killed mid-copy (SIGKILL, OOM killer) is released
   on its behalf (:meth:`WeightService.reader_gone`, :meth:`~WeightService.reader_died`)
-  instead of blocking the trainer and the other readers for ever. (Across hosts a broadcast in a process group of its own
-  takes the buffer's place; not built yet.)
+  instead of blocking the trainer and the other readers for ever.
+* Disaggregated across hosts (:attr:`WeightService.on_publish`): each version is handed to the
+  remote rollout links (:mod:`runtime.rollout_link`), which push it to their instances newest-wins.
 * Rollback: the last ``keep`` published versions are kept on the host;
   :meth:`WeightService.rollback` republishes an old one under a NEW, higher
   version so that versions stay monotonic and staleness arithmetic holds.
@@ -66,6 +67,8 @@ class WeightService:
         self._history: OrderedDict[int, State] = OrderedDict()
         self._shared: SharedWeights | None = None
         self._recover = threading.Lock()  # reader_gone (receiver thread) vs the publishing thread
+        # called with (version, host copy of the weights) after each publish / initialize: remote readers
+        self.on_publish: Callable[[int, State], None] | None = None
 
     @property
     def version(self) -> int:
@@ -102,7 +105,16 @@ class WeightService:
         elif self._shared is not None:
             raise WeightError("a shared buffer has subscribers; publish needs the weights")
         self._version = new
+        if state is not None:
+            self._announce(new, state)
         return new
+
+    def _announce(self, version: int, state: State) -> None:
+        if self.on_publish is not None:
+            kept = self._history.get(version)  # an immutable host copy; make one when none is kept
+            self.on_publish(
+                version, kept if kept is not None else {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            )
 
     def initialize(self, state: State) -> None:
         """Record ``state`` as the weights of the current version, without a new version
@@ -113,6 +125,7 @@ class WeightService:
                 self._history.popitem(last=False)
         if self._shared is not None:
             self._write_shared(state, self._version)
+        self._announce(self._version, state)
 
     def _write_shared(self, state: State, version: int) -> None:
         shared = self._shared

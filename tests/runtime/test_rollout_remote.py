@@ -1,0 +1,317 @@
+"""Remote rollout instances: processes of their own that connect to the trainer over TCP.
+
+The link's parts are tested on their own (authentication, the endpoint file, newest-wins weight
+pushes); then whole runs with real remote processes (``python -m runtime rollout``): one beside a
+local instance, one killed mid-run and replaced, one that outlives its trainer and reconnects to the
+trainer resumed from its checkpoint. Every group is accounted for exactly once throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save as save_weights
+
+from runtime.control import Control
+from runtime.metrics import read_jsonl
+from runtime.pipeline import run
+from runtime.rollout_link import (
+    ENDPOINT_FILE,
+    Endpoint,
+    LinkError,
+    Refused,
+    RemotePeer,
+    RolloutListener,
+    connect,
+    decode_weights,
+    read_endpoint,
+    write_endpoint,
+)
+from runtime.rollout_remote import NetSubscriber
+from runtime.spec import SpecError, load_spec
+from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = derived(
+    seed=7,
+    pipeline={
+        "mode": "async",
+        "max_policy_lag": 0,
+        "on_lag_exceeded": "throttle",
+        "queue_capacity": 32,
+        "steps": 6,
+        "rollout_listen": "127.0.0.1:0",
+        "rollout_reconnect_s": 60,
+    },
+    resources={"rollout_workers": 1, "remote_rollout_workers": 1, "threads_per_process": 1},
+    checkpoint={"interval": 0},
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _spec_file(spec, tmp_path: Path, name: str = "spec.yaml", **changes) -> Path:
+    data = spec.resolved()
+    for dotted, value in changes.items():
+        section, field = dotted.split("__")
+        data[section][field] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _remote(spec_path: Path, index: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "ab") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runtime", "rollout", str(spec_path), "--index", str(index)],
+            cwd=ROOT,
+            env=environ,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _accounted_once(trace):
+    return assert_each_group_once(
+        trace["consumed"], trace["dropped"], trace.get("reward_dropped", []), trace["leftover"]
+    )
+
+
+# ---- the link's parts ---------------------------------------------------------------------------------
+
+
+def test_only_a_holder_of_the_key_gets_a_hello_through():
+    hellos = []
+
+    def admit(conn, hello):
+        hellos.append(hello)
+        return ("rank 9 is not a remote rollout rank of this run", False)
+
+    listener = RolloutListener("127.0.0.1:0", b"the-key", admit)
+    listener.start()
+    try:
+        endpoint = Endpoint("127.0.0.1", listener.port, "n")
+        with pytest.raises((LinkError, EOFError, OSError)):
+            connect(endpoint, b"another-key", {"rank": 9})
+        deadline = time.monotonic() + 5
+        while listener.rejected < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert listener.rejected == 1 and hellos == []  # nothing of the impostor was unpickled
+        with pytest.raises(Refused) as refused:
+            connect(endpoint, b"the-key", {"rank": 9})
+        assert str(refused.value) == "rank 9 is not a remote rollout rank of this run"
+        assert refused.value.retry is False
+        assert hellos == [{"rank": 9}]
+    finally:
+        listener.close()
+
+
+def test_a_client_that_does_not_speak_the_protocol_is_dropped_without_blocking_others():
+    admitted = []
+    listener = RolloutListener("127.0.0.1:0", b"k", lambda conn, hello: admitted.append(hello) or ("no", False))
+    listener.start()
+    try:
+        silent = socket.create_connection(("127.0.0.1", listener.port))  # never answers the challenge
+        with pytest.raises(Refused):
+            connect(Endpoint("127.0.0.1", listener.port, "n"), b"k", {"rank": 1})
+        assert admitted == [{"rank": 1}]  # served while the silent one still hangs in its handshake
+        silent.close()
+    finally:
+        listener.close()
+
+
+def test_the_endpoint_file_is_private_atomic_and_says_when_the_run_ended(tmp_path):
+    path = tmp_path / "run" / ENDPOINT_FILE
+    assert read_endpoint(path) is None
+    write_endpoint(path, Endpoint("10.0.0.5", 4242, "abc", b"secret"))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_endpoint(path) == Endpoint("10.0.0.5", 4242, "abc", b"secret")
+    write_endpoint(path, Endpoint("10.0.0.5", 4243, "def"))
+    assert read_endpoint(path) == Endpoint("10.0.0.5", 4243, "def", None)
+    assert [p.name for p in path.parent.iterdir()] == [ENDPOINT_FILE]  # no temporary file left
+    path.write_text('{"address": "10.0.0.5", "po')  # half-written by another writer: not an endpoint yet
+    assert read_endpoint(path) is None
+    write_endpoint(path, None)
+    assert read_endpoint(path) == "ended"
+
+
+def test_a_peer_gets_work_in_order_and_the_newest_weights_first():
+    ours, theirs = socket.socketpair()
+    trainer_end, instance_end = Connection(ours.detach()), Connection(theirs.detach())
+    peer = RemotePeer(trainer_end, rank=1, pid=0, host="h")
+    state = {"w": torch.arange(4, dtype=torch.float32)}
+    with peer._cond:  # hold the sender: everything below queues up behind it
+        for version in (1, 2, 3):
+            peer.push_weights(version, lambda v=version: save_weights({"w": state["w"] * v}))
+        for n in range(3):
+            peer.put((0, [n]))
+        peer.set_epoch(4)
+    received = [instance_end.recv() for _ in range(5)]
+    assert received[0][0] == "weights" and received[0][1][0] == 3  # versions 1 and 2 were never sent
+    assert torch.equal(decode_weights(received[0][1][1])["w"], state["w"] * 3)
+    assert received[1:] == [("work", (0, [0])), ("work", (0, [1])), ("work", (0, [2])), ("epoch", 4)]
+    peer.put(None)  # stop: sent after what is queued
+    assert instance_end.recv() == ("stop", None)
+    instance_end.close()
+    peer.gone()
+    peer.join(timeout=5)
+    assert not peer.is_alive() and peer.exitcode == 0
+
+
+def test_the_net_subscriber_switches_to_the_newest_offer_once():
+    sub = NetSubscriber()
+    applied = []
+    assert sub.switch(lambda s, v: applied.append(v)) is None and sub.latest_version == -1
+    assert sub.wait_for(0, timeout=0.01) is False
+    sub.offer(3, {})
+    sub.offer(5, {})
+    assert sub.wait_for(5, timeout=0.01) is True
+    assert sub.switch(lambda s, v: applied.append(v)) == 5
+    assert sub.switch(lambda s, v: applied.append(v)) is None
+    assert applied == [5] and sub.current_version == 5
+
+
+def test_remote_instances_are_checked_in_the_spec():
+    with pytest.raises(SpecError) as err:
+        load_spec(derived(pipeline={"mode": "sync"}, resources={"remote_rollout_workers": 1}))
+    assert err.value.errors[0]["field"] == "resources.remote_rollout_workers"
+    with pytest.raises(SpecError) as err:
+        load_spec(derived(pipeline={"mode": "async"}, resources={"rollout_workers": 0}))
+    assert err.value.errors[0]["field"] == "resources.rollout_workers"
+    with pytest.raises(SpecError) as err:
+        load_spec(derived(pipeline={"mode": "async", "rollout_listen": "nohost"}))
+    assert err.value.errors[0]["field"] == "pipeline.rollout_listen"
+    spec = load_spec(derived(pipeline={"mode": "async"}, resources={"rollout_workers": 0, "remote_rollout_workers": 2}))
+    assert spec.resources.all_rollout_workers == 2 and spec.resources.total_devices == 3
+
+
+def test_an_index_outside_the_run_is_bad_input(tmp_path):
+    spec = tiny_spec(tmp_path, "bad-index", BASE)
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime", "rollout", str(_spec_file(spec, tmp_path)), "--index", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: --index: 1 is not a remote rollout instance of this run (resources.remote_rollout_workers=1)"
+    )
+
+
+# ---- whole runs with remote processes -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_remote_instance_works_beside_a_local_one_and_a_mismatched_one_is_refused(tmp_path):
+    spec = tiny_spec(tmp_path, "remote", BASE)
+    out = tmp_path / "remote"
+    remote = _remote(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")  # the key: from the endpoint file
+    other = _spec_file(spec, tmp_path, "other.yaml", rollout__temperature=0.5)
+    state: dict = {}
+
+    def stop(step, metrics):
+        if step == 1:  # a second instance under the same index but another sampling temperature
+            bad = _remote(other, 0, tmp_path / "bad.log")
+            state["bad"] = bad.wait(timeout=120)
+        return False
+
+    try:
+        result = run(spec, stop=stop)
+        assert remote.wait(timeout=60) == 0  # told the run ended
+    finally:
+        remote.kill()
+    assert state["bad"] == 2
+    assert "its spec differs from the trainer's" in (tmp_path / "bad.log").read_text()
+    trace = result["trace"]
+    assert {rank for _, rank, _ in trace["issued_to"]} == {0, 1}
+    assert [len(s) for s in trace["consumed"]] == [4] * 6
+    _accounted_once(trace)
+    steps, events = read_jsonl(out / "metrics.jsonl")
+    connected = [e["payload"] for e in events if e["event"] == "rollout_connected"]
+    assert [e["rank"] for e in connected] == [1] and connected[0]["pid"] == remote.pid
+    assert all(r["rollout/active_instances"] == 2 for r in steps)
+    assert sum(r["rollout/instance/1/busy_s"] for r in steps) > 0  # it did generate
+    assert read_endpoint(out / ENDPOINT_FILE) == "ended"
+
+
+@pytest.mark.slow
+def test_a_killed_remote_instance_is_replaced_by_a_new_process_and_nothing_is_lost(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_ROLLOUT_KEY", "k" * 64)  # as the platform gives it: both sides, not in the file
+    spec = tiny_spec(tmp_path, "replace", BASE, resources__rollout_workers=0)
+    spec_path = _spec_file(spec, tmp_path)
+    control = Control()
+    procs = [_remote(spec_path, 0, tmp_path / "first.log")]
+
+    def stop(step, metrics):
+        if step == 2:
+            remote = control.status()["rollout_remote"]
+            assert [(r["rank"], r["pid"]) for r in remote] == [(0, procs[0].pid)]
+            os.kill(procs[0].pid, signal.SIGKILL)
+            procs[0].wait(timeout=30)
+            procs.append(_remote(spec_path, 0, tmp_path / "second.log"))
+        return False
+
+    try:
+        result = run(spec, control=control, stop=stop)
+        assert procs[1].wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    assert "KEY" not in (tmp_path / "replace" / ENDPOINT_FILE).read_text().upper()
+    _, events = read_jsonl(tmp_path / "replace" / "metrics.jsonl")
+    assert [(e["event"], e["payload"].get("pid")) for e in events if e["event"].startswith("rollout_")][1:] == [
+        ("rollout_connected", procs[0].pid),
+        ("rollout_disconnected", None),
+        ("rollout_connected", procs[1].pid),
+    ]
+    gone = next(e["payload"] for e in events if e["event"] == "rollout_disconnected")
+    assert gone["rank"] == 0 and gone["reason"] == "its connection closed" and gone["reissued"] >= 1
+    trace = result["trace"]
+    assert [len(s) for s in trace["consumed"]] == [4] * 6
+    _accounted_once(trace)
+
+
+@pytest.mark.slow
+def test_a_remote_instance_outlives_its_trainer_and_serves_the_resumed_one(tmp_path):
+    spec = tiny_spec(tmp_path, "outlive", BASE, pipeline__steps=8, checkpoint__interval=2, resources__rollout_workers=0)
+    spec_path = _spec_file(spec, tmp_path)
+    out = tmp_path / "outlive"
+    remote = _remote(spec_path, 0, tmp_path / "remote.log")
+    trainer_cmd = [sys.executable, "-m", "runtime", "run", str(spec_path)]
+    try:
+        first = subprocess.Popen(trainer_cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "step-00000004").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first.kill()  # the trainer dies mid-run: no stop reaches the instance
+        first.wait(timeout=30)
+        assert read_endpoint(out / ENDPOINT_FILE) not in (None, "ended")
+        resumed = subprocess.run(
+            [*trainer_cmd, "--resume", str(out / "checkpoints")], cwd=ROOT, capture_output=True, text=True, timeout=180
+        )
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert remote.wait(timeout=60) == 0
+    finally:
+        remote.kill()
+    log = (tmp_path / "remote.log").read_text()
+    assert log.count("rank 0: connected to the trainer") == 2
+    assert "the trainer went away; waiting for it to come back" in log
+    steps, _ = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 9))
