@@ -80,7 +80,14 @@ def test_an_invalid_variable_is_named(env, capsys, spec_file, tmp_path, name, va
     [
         ([], "error: the following arguments are required: role, --spec, --workdir"),
         (["trainer", "--spec", "SPEC"], "error: the following arguments are required: --workdir"),
-        (["rollout", "--spec", "SPEC", "--workdir", "WORK"], "error: role: 'rollout' is not one of trainer"),
+        (
+            ["evaluator", "--spec", "SPEC", "--workdir", "WORK"],
+            "error: role: 'evaluator' is not one of trainer, rollout",
+        ),
+        (
+            ["rollout", "--spec", "SPEC", "--workdir", "WORK"],
+            "error: TANDEM_ROLE: a rollout role is named rollout-<index>, got 'trainer-0'",
+        ),
         (
             ["trainer", "--spec", "SPEC", "--workdir", "WORK", "--resume", "always"],
             "error: argument --resume: invalid choice: 'always' (choose from 'auto', 'never')",
