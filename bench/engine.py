@@ -5,7 +5,9 @@ Both sample at temperature 1 with no top-k/top-p and ignore eos, so both produce
 ``--repeats`` interleaved runs after a warm-up. A second comparison runs the engine on long-tailed
 response lengths (each request generates its own hidden length, eos ignored) with static batching
 (a batch runs until its longest sequence ends) and with continuous batching (a finished slot is
-refilled at the next step), reporting tokens/CPU-s and the padding ratio of each. Usage:
+refilled at the next step), reporting tokens/CPU-s and the padding ratio of each. A third compares
+the engine with ``model.generate()`` on that rollout workload: long-tailed lengths, ``generate()``
+in static batches (longest first) whose rows stop at their own lengths. Usage:
 
     .venv/bin/python bench/engine.py --quick
     .venv/bin/python bench/engine.py --models tiny-qwen2 small-qwen2 --batch 32 --max-new-tokens 128
@@ -109,15 +111,8 @@ def bench_model(name: str, batch: int, max_new: int, repeats: int) -> dict:
 
 def bench_continuous(name: str, slots: int, requests: int, max_new: int, repeats: int) -> dict:
     """Static vs continuous batching in one engine on long-tailed lengths (see module docstring)."""
-    import random
-
     model, tok = build_policy(ModelSpec(builtin=name), "cpu", seed=0)
-    rng = random.Random(0)
-    work = [
-        (make_prompts(tok, 1, seed=i)[0], min(max_new, max(1, int(4 / (1 - rng.random()) ** 1.3))))
-        for i in range(requests)
-    ]
-    work.sort(key=lambda w: -w[1])  # longest first: what the scheduler hands an instance
+    work = long_tail_work(tok, requests, max_new)
     engine = Engine(model, tok, "cpu", max_batch_size=slots, max_batch_tokens=1 << 30)
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -146,6 +141,93 @@ def bench_continuous(name: str, slots: int, requests: int, max_new: int, repeats
         "speedup": round(cpu[0] / cpu[1], 2),
         "static_padding_ratio": round(stats[False].padding_ratio, 4),
         "continuous_padding_ratio": round(stats[True].padding_ratio, 4),
+    }
+
+
+def long_tail_work(tok, requests: int, max_new: int) -> list[tuple[list[int], int]]:
+    """(prompt, hidden response length) pairs with long-tailed lengths (a Pareto-like draw capped at
+    ``max_new``), longest first: what the scheduler hands an instance."""
+    import random
+
+    rng = random.Random(0)
+    work = [
+        (make_prompts(tok, 1, seed=i)[0], min(max_new, max(1, int(4 / (1 - rng.random()) ** 1.3))))
+        for i in range(requests)
+    ]
+    work.sort(key=lambda w: -w[1])
+    return work
+
+
+def bench_long_tail(name: str, slots: int, requests: int, max_new: int, repeats: int) -> dict:
+    """The rollout workload: long-tailed response lengths, engine vs ``model.generate()``.
+
+    ``generate()`` runs the requests in batches of ``slots`` (longest first, so each batch holds
+    similar lengths: its best case); a row stops at its own length through a stopping criterion, but
+    the batch runs until its longest row is done, as ``generate()`` does. The engine decodes the same
+    requests with ``slots`` slots and refills a finished slot at the next step. Both count only the
+    tokens the requests asked for (eos ignored by both), so the ratio is useful tokens per CPU-second.
+    """
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+    model, tok = build_policy(ModelSpec(builtin=name), "cpu", seed=0)
+    model.eval()
+    work = long_tail_work(tok, requests, max_new)
+    batches = []
+    for start in range(0, len(work), slots):
+        chunk = work[start : start + slots]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        batches.append((ids, mask, torch.tensor([n for _, n in chunk])))
+
+    class RowLength(StoppingCriteria):
+        """Each row is done once it has generated its own length."""
+
+        def __init__(self, width: int, lengths: torch.Tensor):
+            self.width, self.lengths = width, lengths
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            return (input_ids.shape[1] - self.width) >= self.lengths
+
+    def hf() -> None:
+        for ids, mask, lengths in batches:
+            cfg = GenerationConfig(
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=int(lengths.max()),
+                min_new_tokens=int(lengths.max()), eos_token_id=None, pad_token_id=tok.pad_id,
+            )  # fmt: skip
+            stop = StoppingCriteriaList([RowLength(ids.shape[1], lengths)])
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=stop)
+            assert out.shape[1] == ids.shape[1] + int(lengths.max()), out.shape
+
+    engine = Engine(model, tok, "cpu", max_batch_size=slots, max_batch_tokens=1 << 30)
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def ours() -> None:
+        b = engine.batcher(params, gen)
+        for i, (ids, length) in enumerate(work):
+            b.submit(ids, i, max_new_tokens=length)
+        made = 0
+        while not b.idle:
+            made += sum(len(c.token_ids) for _, c in b.step())
+        assert made == tokens, (made, tokens)
+
+    tokens = sum(n for _, n in work)
+    wall, cpu = time_pair(hf, ours, repeats)
+    return {
+        "model": name,
+        "slots": slots,
+        "requests": requests,
+        "generated_tokens": tokens,
+        "longest": work[0][1],
+        "hf_tokens_per_cpu_s": round(tokens / cpu[0], 1),
+        "engine_tokens_per_cpu_s": round(tokens / cpu[1], 1),
+        "speedup": round(cpu[0] / cpu[1], 2),
+        "speedup_wall": round(wall[0] / wall[1], 2),
     }
 
 
@@ -179,6 +261,15 @@ def main() -> None:
         f"continuous {cont['continuous_tokens_per_cpu_s']:.0f} tok/CPU-s (padding "
         f"{cont['continuous_padding_ratio']:.2f}), speed-up {cont['speedup']:.2f}x"
     )
+    tails = []
+    for name in args.models:
+        t = bench_long_tail(name, args.batch, requests, args.max_new_tokens * 2, args.repeats)
+        tails.append(t)
+        print(
+            f"{t['model']:<12} rollout workload ({t['requests']} long-tailed requests up to {t['longest']} tokens, "
+            f"{t['slots']} slots): model.generate {t['hf_tokens_per_cpu_s']:.0f} tok/CPU-s, engine "
+            f"{t['engine_tokens_per_cpu_s']:.0f} tok/CPU-s, speed-up {t['speedup']:.2f}x (wall {t['speedup_wall']:.2f}x)"
+        )
     load = os.getloadavg()[0]
     print(f"threads={args.threads}, load average {load:.2f} (the machine is shared; figures vary with load)")
     print(
@@ -189,6 +280,7 @@ def main() -> None:
                 "load_avg_1m": round(load, 2),
                 "results": results,
                 "continuous_batching": cont,
+                "long_tail_vs_generate": tails,
             }
         )
     )
