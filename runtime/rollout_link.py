@@ -253,7 +253,9 @@ class RemotePeer:
         return not self.disconnected
 
     def kill(self) -> None:
+        """Cut the connection (the receiver then reads its end) and end the sender."""
         shutdown_socket(self.conn)
+        self.close()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

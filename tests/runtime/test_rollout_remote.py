@@ -315,3 +315,38 @@ def test_a_remote_instance_outlives_its_trainer_and_serves_the_resumed_one(tmp_p
     assert "the trainer went away; waiting for it to come back" in log
     steps, _ = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_a_silent_remote_instance_is_cut_off_and_its_index_served_by_a_new_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_ROLLOUT_KEY", "s" * 64)
+    spec = tiny_spec(tmp_path, "silent", BASE, resources__rollout_workers=0, rollout__hang_timeout_s=3)
+    spec_path = _spec_file(spec, tmp_path)
+    procs = [_remote(spec_path, 0, tmp_path / "first.log")]
+
+    def stop(step, metrics):
+        if step == 2:
+            procs.append(_remote(spec_path, 0, tmp_path / "second.log"))
+            deadline = time.monotonic() + 90
+            while "rank 0 is still connected" not in (tmp_path / "second.log").read_text():
+                assert time.monotonic() < deadline, "the second instance was never told to wait"
+                time.sleep(0.1)
+            os.kill(procs[0].pid, signal.SIGSTOP)  # alive but silent: no heartbeat, no result
+        return False
+
+    try:
+        result = run(spec, stop=stop)
+        assert procs[1].wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    _, events = read_jsonl(tmp_path / "silent" / "metrics.jsonl")
+    gone = [e["payload"] for e in events if e["event"] == "rollout_disconnected"]
+    assert [(g["rank"], g["reason"]) for g in gone] == [
+        (0, "sent nothing for rollout.hang_timeout_s=3 s and was killed")
+    ]
+    connected = [e["payload"]["pid"] for e in events if e["event"] == "rollout_connected"]
+    assert connected == [procs[0].pid, procs[1].pid]
+    assert "the trainer cannot take rank 0 yet: rank 0 is still connected" in (tmp_path / "second.log").read_text()
+    assert "rank 0: connected to the trainer" in (tmp_path / "second.log").read_text()
+    _accounted_once(result["trace"])
