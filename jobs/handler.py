@@ -241,11 +241,13 @@ def _check_fits(experiment: Experiment, parsed: RunSpec) -> None:
                 "message": f"needs {need} devices; the experiment's quota allows {quota.max_devices}",
             }
         )
-    if resources.rollout_workers > quota.max_rollout_workers:
+    if resources.all_rollout_workers > quota.max_rollout_workers:
+        remote = resources.remote_rollout_workers
         errors.append(
             {
-                "field": "resources.rollout_workers",
-                "message": f"{resources.rollout_workers} exceeds the quota's {quota.max_rollout_workers} rollout workers",
+                "field": "resources.remote_rollout_workers" if remote else "resources.rollout_workers",
+                "message": f"{resources.all_rollout_workers} exceeds the quota's {quota.max_rollout_workers} rollout workers"
+                + (f" ({resources.rollout_workers} on the trainer's host + {remote} remote)" if remote else ""),
             }
         )
     if errors:
@@ -319,7 +321,7 @@ def submit_run(
                 priority=priority,
                 submission_id=submission_id,
                 devices_requested=parsed.resources.total_devices,
-                rollout_workers=parsed.resources.rollout_workers,
+                rollout_workers=parsed.resources.all_rollout_workers,
                 parent_checkpoint=parent_checkpoint or "",
                 created_by=_user(actor),
             )

@@ -7,11 +7,18 @@
     the process exits          -> role_exited: complete, fail, restart from the last checkpoint,
                                   or requeue after a preemption
 
-A run has one role today, ``trainer-0``: it runs the whole pipeline, its rollout
-and evaluator processes being its own children on the same host (a dead rollout
-process is restarted by the runtime itself, within ``resources.rollout_restarts``).
-So a run's devices must lie on one host; admission prefers that, and a run placed
-across hosts fails with that reason instead of starting half-way.
+A run's roles: ``trainer-0`` runs the pipeline (trainer, sample queue, weight service,
+evaluator, and its own rollout processes on its host: a dead one is restarted by the runtime itself,
+within ``resources.rollout_restarts``). A spec with ``resources.remote_rollout_workers: N`` adds the
+roles ``rollout-0`` .. ``rollout-<N-1>``: rollout instances that run as processes of their own, one
+device each, on any host, and connect to the trainer. The trainer's share of the devices lies on one
+host (a run that cannot be placed that way fails with the reason instead of starting half-way).
+
+The run's state follows ``trainer-0``. A rollout role that exits 0 is done (the trainer ended the
+run); one that fails is restarted on its host while the run goes on, within ``rollout_restarts``.
+Every admission queues all the roles together; an attempt still live from an earlier admission
+(the run was requeued and admitted again before it ended) is stopped by its host's supervisor, and
+the last one's end launches the new admission's roles.
 
 Every function here takes the group lock first (rlplatform.locks order), so it
 never deadlocks with admission or with ``jobs.handler.transition``.
@@ -31,7 +38,7 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from jobs import handler, stream
+from jobs import handler, placement, stream
 from jobs.ingest.tokens import revoke_run_tokens
 from jobs.models import Allocation, Experiment, Run, RunEvent, RunRole, RunToken
 from jobs.models import RoleState as R
@@ -43,11 +50,13 @@ from rlplatform.models import Host
 logger = logging.getLogger(__name__)
 
 TRAINER = "trainer-0"
+ROLLOUT_PREFIX = "rollout-"  # + index: the remote rollout roles
 LAUNCH_TASK = "jobs.tasks.launch_runs"
 START_TASK = "jobs.tasks.start_role"
 EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
-PLATFORM_ROLE = "platform"
-SPOOL_REPLAY_BATCH = 500  # records per stored batch when the platform replays an ended role's spool  # the ``role`` of the events the platform itself records for a run
+PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
+SPOOL_REPLAY_BATCH = 500  # records per stored batch when the platform replays an ended role's spool
+ENDPOINT_FILE = "rollout-endpoint.json"  # runtime.rollout_link: where the trainer tells rollout roles its address
 
 
 def run_dir(run_id: int) -> Path:
@@ -58,6 +67,23 @@ def run_dir(run_id: int) -> Path:
 def role_dir(role: RunRole) -> Path:
     """One attempt's files: ``pid``, ``log``, ``exit_code`` (jobs/rolewrap.py)."""
     return Path(role.workdir) / "roles" / role.name / f"attempt-{role.attempt}"
+
+
+def is_rollout(name: str) -> bool:
+    return name.startswith(ROLLOUT_PREFIX)
+
+
+def _resources(run: Run) -> dict[str, Any]:
+    return run.resolved_spec.get("resources", {}) or {}
+
+
+def remote_rollout_workers(run: Run) -> int:
+    return int(_resources(run).get("remote_rollout_workers", 0) or 0)
+
+
+def role_names(run: Run) -> list[str]:
+    """Every role an admission of ``run`` launches: the trainer, then its remote rollout instances."""
+    return [TRAINER, *(f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run)))]
 
 
 def read_tail(path: Path, size: int = 8192) -> str:
@@ -86,6 +112,17 @@ def request_launch(run_ids: list[int]) -> None:
     ids = list(run_ids)
     if ids:
         transaction.on_commit(lambda: _send(LAUNCH_TASK, [ids]), robust=True)
+
+
+def _forget_endpoint(run_id: int) -> None:
+    """After commit, before the start tasks: remove the run's endpoint file. An earlier admission's trainer
+    may have left the run-ended marker in it (a preempted run), which would send the new admission's
+    rollout roles away before its trainer writes its own endpoint."""
+
+    def forget() -> None:
+        (run_dir(run_id) / ENDPOINT_FILE).unlink(missing_ok=True)
+
+    transaction.on_commit(forget, robust=True)
 
 
 def _request_start(role: RunRole) -> None:
@@ -142,11 +179,37 @@ def _group_id(run_id: int) -> int | None:
     return Experiment.objects.filter(runs__pk=run_id).values_list("group_id", flat=True).first()
 
 
-def launch_run(run_id: int) -> RunRole | None:
-    """Place the admitted run's role on its devices and send the start task; idempotent.
+def _place_roles(run: Run, devices: list[tuple[int, int]]) -> dict[str, tuple[int, list[int]]] | str:
+    """Role name -> (host id, device indices) for the run's allocated ``(host id, index)`` devices, or the
+    reason they cannot be divided among its roles."""
+    workers = remote_rollout_workers(run)
+    by_host: dict[int, list[int]] = {}
+    for host_id, index in devices:
+        by_host.setdefault(host_id, []).append(index)
+    if workers == 0:  # the trainer alone, on every device: they must lie on one host
+        if len(by_host) != 1:
+            return f"its {len(devices)} devices lie on {len(by_host)} hosts; a run is launched on one host only"
+        ((host_id, indices),) = by_host.items()
+        return {TRAINER: (host_id, indices)}
+    resources = _resources(run)
+    share = sum(int(resources.get(key, 0) or 0) for key in ("trainer_devices", "rollout_devices", "eval_devices"))
+    split = placement.split_roles(by_host, share, workers)
+    if isinstance(split, str):
+        return split
+    home, trainer_indices, rollout_devices = split
+    placed = {TRAINER: (home, trainer_indices)}
+    for i, (host_id, index) in enumerate(rollout_devices):
+        placed[f"{ROLLOUT_PREFIX}{i}"] = (host_id, [index])
+    return placed
 
-    Returns the role (None when there is nothing to launch: the run is gone, not ADMITTED, or its role
-    already has a live attempt). A run whose devices span hosts fails with that reason.
+
+def launch_run(run_id: int) -> RunRole | None:
+    """Place the admitted run's roles on its devices and send their start tasks; idempotent.
+
+    Returns the trainer role (None when there is nothing to launch: the run is gone, not ADMITTED, or
+    a role of it has a live attempt: this admission's, on its way, or an earlier admission's, which its
+    supervisor stops; the last one's end calls this again). A run whose devices cannot be divided
+    among its roles (see :func:`_place_roles`) fails with that reason.
     """
     group_id = _group_id(run_id)
     if group_id is None:
@@ -156,33 +219,36 @@ def launch_run(run_id: int) -> RunRole | None:
         run = Run.objects.filter(pk=run_id).first()
         if run is None or run.state != RunState.ADMITTED:
             return None
-        role = RunRole.objects.select_for_update().filter(run=run, name=TRAINER).first()
-        if role is not None and role.state != R.EXITED:
-            return None  # this admission's attempt is already on its way
+        existing = {role.name: role for role in RunRole.objects.select_for_update().filter(run=run)}
+        if any(role.state != R.EXITED for role in existing.values()):
+            return None
         devices = list(
             Allocation.objects.active()
             .filter(run=run)
             .order_by("device__host_id", "device__index")
             .values_list("device__host_id", "device__index")
         )
-        hosts = sorted({d[0] for d in devices})
-        if len(hosts) != 1:
-            handler.transition(
-                run,
-                RunState.FAILED,
-                f"its {len(devices)} devices lie on {len(hosts)} hosts; a run is launched on one host only",
-            )
+        placed = _place_roles(run, devices)
+        if isinstance(placed, str):
+            handler.transition(run, RunState.FAILED, placed)
             return None
-        if role is None:
-            role = RunRole(run=run, name=TRAINER, workdir=str(run_dir(run.pk)), attempt=0)
-        else:  # re-admitted after a preemption (or a lost host): a new attempt, maybe elsewhere
-            role.attempt += 1
-        role.host = Host.objects.get(pk=hosts[0])
-        role.device_indices = [index for _host, index in devices]
-        _queue_attempt(role)
-        stream_role(role)
-        record_event(run.pk, "role_queued", {"role": role.name, "host": role.host.name, "attempt": role.attempt})
-    return role
+        hosts = Host.objects.in_bulk({host_id for host_id, _indices in placed.values()})
+        if remote_rollout_workers(run):
+            _forget_endpoint(run.pk)
+        trainer = None
+        for name in role_names(run):
+            role = existing.get(name)
+            if role is None:
+                role = RunRole(run=run, name=name, workdir=str(run_dir(run.pk)), attempt=0)
+            else:  # re-admitted after a preemption (or a lost host): a new attempt, maybe elsewhere
+                role.attempt += 1
+            host_id, indices = placed[name]
+            role.host, role.device_indices = hosts[host_id], indices
+            _queue_attempt(role)
+            stream_role(role)
+            record_event(run.pk, "role_queued", {"role": role.name, "host": role.host.name, "attempt": role.attempt})
+            trainer = trainer or role
+    return trainer
 
 
 def resend_start(role_id: int) -> bool:
@@ -248,8 +314,10 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
 
     ``exit_code`` None: the process vanished without one (host rebooted, killed with its wrapper);
     ``why`` then says what the supervisor saw. Returns what was decided (for logs and tests):
-    ``ignored`` (already handled), ``ended`` (the run was no longer active), ``completed``,
-    ``preempted``, ``cancelled``, ``failed`` or ``restarting``.
+    ``ignored`` (already handled), ``ended`` (the run was no longer active), ``superseded`` (an
+    attempt of an earlier admission: when it was the last, the new admission's roles are launched),
+    ``completed``, ``preempted``, ``cancelled``, ``failed``, ``requeued``, ``restarting``, or ``done``
+    (a rollout role that the trainer released).
     """
     # Idempotent like any replay, and file reading: before the group lock, not under it.
     replay_spool(role_id, attempt)
@@ -272,6 +340,8 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
         run.refresh_from_db()
         if RunState(run.state) not in ACTIVE_STATES and run.state != RunState.QUEUED:
             revoke_run_tokens(run)
+    if decision == "superseded":
+        launch_run(run.pk)  # nothing when other attempts of the earlier admission still live
     return decision
 
 
@@ -283,7 +353,9 @@ def replay_spool(role_id: int, attempt: int) -> int:
     from runtime.role import spool_dir
 
     role = RunRole.objects.filter(pk=role_id).values("run_id", "name", "workdir").first()
-    records = undelivered(spool_dir(Path(role["workdir"]), attempt)) if role else []
+    if role is None or role["name"] != TRAINER:
+        return 0  # only the trainer reports through a spool (rollout roles send heartbeats alone)
+    records = undelivered(spool_dir(Path(role["workdir"]), attempt))
     token = (
         RunToken.objects.filter(run_id=role["run_id"], attempt=attempt).order_by("-created_at").first()
         if records
@@ -301,9 +373,30 @@ def replay_spool(role_id: int, attempt: int) -> int:
     return len(records)
 
 
+def superseded(role: RunRole, run: Run) -> bool:
+    """Whether ``role``'s live attempt is left from an earlier admission of ``run``.
+
+    launch_run queues every role of an admission together, and only once no role of the run is live.
+    So while the run is ADMITTED, another of its roles that is not live means this attempt belongs to
+    the admission before (the run was requeued and admitted again before this attempt ended)."""
+    if run.state != RunState.ADMITTED:
+        return False
+    live_others = RunRole.objects.filter(run_id=run.pk).exclude(pk=role.pk).exclude(state=R.EXITED).count()
+    return live_others < len(role_names(run)) - 1
+
+
+def _restart_budget(role: RunRole, run: Run) -> int:
+    key = "rollout_restarts" if is_rollout(role.name) else "max_restarts"
+    return int(_resources(run).get(key, 3))
+
+
 def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error: str, why: str) -> str:
     if RunState(run.state) not in ACTIVE_STATES:
         return "ended"
+    if superseded(role, run):
+        return "superseded"
+    if is_rollout(role.name):
+        return _decide_rollout(role, run, exit_code, error, why)
     if exit_code == 0:
         outcome = _last_json_line(log_tail).get("outcome", "completed")
         # A short run can end before its first heartbeat moved it to RUNNING: walk it there first.
@@ -324,7 +417,7 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         _move(run, RunState.FAILED, f"{role.name} rejected its input: {error or 'see its log'}")
         return "failed"
     what = error or why or f"exit code {exit_code}"
-    budget = int(run.resolved_spec.get("resources", {}).get("max_restarts", 3))
+    budget = _restart_budget(role, run)
     if role.restarts >= budget:
         _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {what}")
         return "failed"
@@ -352,12 +445,38 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
     return "restarting"
 
 
+def _decide_rollout(role: RunRole, run: Run, exit_code: int | None, error: str, why: str) -> str:
+    """A remote rollout role ended while its run goes on (the run's state follows the trainer)."""
+    if exit_code == 0:  # the trainer ended the run and released it
+        record_event(run.pk, "role_done", {"role": role.name, "attempt": role.attempt})
+        return "done"
+    if exit_code == EXIT_BAD_INPUT:
+        _move(run, RunState.FAILED, f"{role.name} rejected its input: {error or 'see its log'}")
+        return "failed"
+    what = error or why or f"exit code {exit_code}"
+    if role.restarts >= _restart_budget(role, run):
+        _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {what}")
+        return "failed"
+    # On its host and devices again; it connects to the trainer by itself (the endpoint file).
+    role.attempt += 1
+    role.restarts += 1
+    _queue_attempt(role, f"restarting after: {what}")
+    record_event(
+        run.pk,
+        "role_restarted",
+        {"role": role.name, "attempt": role.attempt, "restarts": role.restarts, "reason": what},
+    )
+    return "restarting"
+
+
 # --- the role watchdog (jobs.tasks.watch_roles, celery beat) ----------------------------------------
 
 
 def host_lost(role_id: int, attempt: int, host_name: str) -> str:
-    """The role's host is gone: the attempt is over, and the run goes back to the queue to resume from its
-    last checkpoint on other devices (counted against ``max_restarts``); returns the decision."""
+    """The role's host is gone: the attempt is over, and the whole run goes back to the queue to resume
+    from its last checkpoint on other devices (counted against the lost role's restart budget); its
+    other live attempts end as superseded once it is admitted again (or as ended while it waits).
+    Returns the decision."""
     with transaction.atomic():
         role = _lock_live_attempt(role_id, attempt)
         if role is None:
@@ -369,15 +488,20 @@ def host_lost(role_id: int, attempt: int, host_name: str) -> str:
         record_event(run.pk, "role_lost", {"role": role.name, "attempt": attempt, "host": host_name})
         stream_role(role)
         if RunState(run.state) not in ACTIVE_STATES:
-            return "ended"
-        budget = int(run.resolved_spec.get("resources", {}).get("max_restarts", 3))
-        if role.restarts >= budget:
+            decision = "ended"
+        elif superseded(role, run):
+            decision = "superseded"
+        elif role.restarts >= _restart_budget(role, run):
             _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {why}")
-            return "failed"
-        RunRole.objects.filter(pk=role.pk).update(restarts=role.restarts + 1)
-        _move(run, RunState.PREEMPTED, f"{why}; requeued to resume from its last checkpoint")
-        _move(run, RunState.QUEUED, f"{why}; requeued")
-        return "requeued"
+            decision = "failed"
+        else:
+            RunRole.objects.filter(pk=role.pk).update(restarts=role.restarts + 1)
+            _move(run, RunState.PREEMPTED, f"{why}; requeued to resume from its last checkpoint")
+            _move(run, RunState.QUEUED, f"{why}; requeued")
+            decision = "requeued"
+    if decision == "superseded":
+        launch_run(run.pk)
+    return decision
 
 
 def watch() -> dict[str, int]:

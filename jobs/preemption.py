@@ -42,12 +42,18 @@ def preempt_for_waiting(group_id: int) -> list[int]:
         waiting = (
             _effective_priority(Run.objects.queued().filter(experiment__group_id=group_id))
             .order_by(F("effective_priority").desc(), "submitted_at", "pk")
-            .values_list("pk", "effective_priority", "devices_requested", "reason")
+            .values_list(
+                "pk",
+                "effective_priority",
+                "devices_requested",
+                "reason",
+                "resolved_spec__resources__remote_rollout_workers",
+            )
             .first()
         )
         if waiting is None or not waiting[3].startswith(NO_FREE_DEVICES):
             return []
-        waiting_id, priority, need, _reason = waiting
+        waiting_id, priority, need, _reason, remote = waiting
         # Asked already during this admission (pending, or done while the process is still exiting): not again.
         asked = Command.objects.filter(
             run=OuterRef("pk"), kind=CommandKind.PREEMPT, created_at__gte=OuterRef("admitted_at")
@@ -61,15 +67,16 @@ def preempt_for_waiting(group_id: int) -> list[int]:
             ).order_by("effective_priority", F("started_at").desc(nulls_last=True), "-pk")
             if run.effective_priority < priority and run.resolved_spec.get("resources", {}).get("preemptible")
         ]
-        victims = _fewest_victims(group_id, need, candidates)
+        victims = _fewest_victims(group_id, need, need - int(remote or 0), candidates)
         for victim in victims:
             commands.create(None, victim, CommandKind.PREEMPT)
             launch.record_event(victim.pk, "preempting", {"for_run": waiting_id})
     return [v.pk for v in victims]
 
 
-def _fewest_victims(group_id: int, need: int, candidates: list[Run]) -> list[Run]:
-    """The shortest prefix of ``candidates`` whose devices, added to the free ones, place ``need`` on one host."""
+def _fewest_victims(group_id: int, need: int, home: int, candidates: list[Run]) -> list[Run]:
+    """The shortest prefix of ``candidates`` whose devices, added to the free ones, place ``need`` with
+    ``home`` of them on one host (all of them, for a run without remote rollout roles)."""
     free_by_host, _host_of, _switch_of, _ = admission._free_devices(group_id)
     held = {}
     for run_id, device_id, host_id in (
@@ -82,7 +89,6 @@ def _fewest_victims(group_id: int, need: int, candidates: list[Run]) -> list[Run
         for device_id, host_id in held.get(run.pk, []):
             pool.setdefault(host_id, []).append(device_id)
         chosen.append(run)
-        one_host = {h: d for h, d in pool.items() if len(d) >= need}
-        if one_host and placement.place(need, one_host, {}) is not None:
+        if placement.place_with_home(need, home, pool, {}) is not None:
             return chosen
     return []

@@ -7,9 +7,10 @@
    finds nothing to claim and neither loses nor doubles the role;
 2. prepare the run directory, the spec file (``output_dir`` = the run directory)
    and a run token for this attempt (minted here: it never crosses the broker);
-3. start ``python -m runtime role trainer`` through jobs/rolewrap.py, detached
-   from this worker, with device visibility, the platform URL and the token in
-   its environment (and none of the platform's own secrets);
+3. start ``python -m runtime role trainer`` (``role rollout`` for a ``rollout-<i>``
+   role) through jobs/rolewrap.py, detached from this worker, with device
+   visibility, the platform URL and the token in its environment (and none of
+   the platform's own secrets);
 4. record its pid and move the run ADMITTED -> STARTING (the runtime's first
    ``running`` heartbeat moves it on to RUNNING, jobs.ingest.handler).
 
@@ -21,8 +22,10 @@ restarted worker adopts the roles its predecessor started:
 * ``exit_code`` written -> ``jobs.launch.role_exited`` (complete, fail, restart...);
 * the process is gone without one -> ``role_exited(None)``;
 * the run stopped being active (cancelled, stopped, failed) more than
-  ``STOP_GRACE_S`` ago and the process still lives -> SIGTERM to its process
-  group, SIGKILL ``KILL_GRACE_S`` later;
+  ``STOP_GRACE_S`` ago (``ROLLOUT_STOP_GRACE_S`` for a rollout role: it has
+  nothing to save) and the process still lives, or the attempt is left from an
+  earlier admission of the run (``jobs.launch.superseded``) -> SIGTERM to its
+  process group, SIGKILL ``KILL_GRACE_S`` later;
 * the process lives but its runtime has not heartbeated for ``TANDEM_ROLE_HANG_S``
   -> hung: killed and reported, so it restarts from its last checkpoint. A slow
   heartbeat alone never restarts a live process before that: a late reply is
@@ -34,6 +37,8 @@ restarted worker adopts the roles its predecessor started:
 from __future__ import annotations
 
 import copy
+import hashlib
+import hmac
 import logging
 import os
 import signal
@@ -62,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 ROLEWRAP = Path(__file__).resolve().with_name("rolewrap.py")
 STOP_GRACE_S = 30.0  # a run that ended (stop acknowledged, cancelled) gets this long to exit by itself
+ROLLOUT_STOP_GRACE_S = 5.0  # ... a rollout role less: it saves nothing, and exits by itself when released
 KILL_GRACE_S = 10.0  # between SIGTERM and SIGKILL
 # The platform's own secrets and settings never reach a role process.
 WITHHELD_ENV_PREFIXES = ("DATABASE_", "REDIS_", "SECRET_KEY", "DJANGO_", "CELERY_", "TANDEM_", "ALLOWED_HOSTS")
@@ -132,14 +138,39 @@ def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
         MASTER_PORT=str(29500 + run.pk % 10000),
         PYTHONUNBUFFERED="1",
     )
+    # The trainer advertises this address to the remote rollout roles (its endpoint file).
+    env["TANDEM_HOST_ADDRESS"] = role.host.address or role.host.name
+    if launch.remote_rollout_workers(run):
+        env["TANDEM_ROLLOUT_KEY"] = rollout_key(run.pk)
     variable = VISIBILITY_VARIABLE.get(role.host.group.kind)
     if variable:
         env[variable] = ",".join(str(i) for i in role.device_indices)
     return env
 
 
-def role_command(spec_path: Path, workdir: str) -> list[str]:
-    return [sys.executable, "-m", "runtime", "role", "trainer", "--spec", str(spec_path), "--workdir", workdir]
+def rollout_key(run_id: int) -> str:
+    """The secret the trainer and the rollout roles of a run authenticate each other with: derived from
+    the platform's SECRET_KEY, so every host's worker computes the same value and none is stored."""
+    return hmac.new(settings.SECRET_KEY.encode(), f"rollout:{run_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def role_command(spec_path: Path, workdir: str, kind: str = "trainer") -> list[str]:
+    """The runtime's command line for a role of ``kind`` (``trainer`` or ``rollout``)."""
+    return [sys.executable, "-m", "runtime", "role", kind, "--spec", str(spec_path), "--workdir", workdir]
+
+
+def _command(role: RunRole, spec_path: Path) -> list[str]:
+    if launch.is_rollout(role.name):
+        return role_command(spec_path, role.workdir, "rollout")
+    return role_command(spec_path, role.workdir)  # two arguments: tests/launch/test_supervisor.py stands in for it
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Every role of a run starts from the run directory's spec file, on its own host and at its own time:
+    a role starting (or restarting) must never read a half-written file another role's start is writing."""
+    partial = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def start_role(role_id: int, attempt: int) -> str:
@@ -154,13 +185,16 @@ def start_role(role_id: int, attempt: int) -> str:
     if RunState(run.state) not in ACTIVE_STATES:
         launch.role_exited(role.pk, attempt, None, why=f"not started: the run is {run.state}")
         return "run-inactive"
+    if launch.superseded(role, run):  # an attempt queued before its run was requeued and admitted again
+        launch.role_exited(role.pk, attempt, None, why="not started: its run was admitted again")
+        return "superseded"
     directory = launch.role_dir(role)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         spec_path = Path(role.workdir) / "spec.yaml"
-        spec_path.write_text(yaml.safe_dump(_role_spec(run, role), sort_keys=False))
+        _write_atomically(spec_path, yaml.safe_dump(_role_spec(run, role), sort_keys=False))
         env = _role_env(run, role, mint_run_token(run, attempt))
-        command = [sys.executable, str(ROLEWRAP), str(directory), "--", *role_command(spec_path, role.workdir)]
+        command = [sys.executable, str(ROLEWRAP), str(directory), "--", *_command(role, spec_path)]
         subprocess.run(command, env=env, cwd=settings.BASE_DIR, check=True, timeout=60)
         pid = _wait_for_pid(directory / "pid")
     except (OSError, subprocess.SubprocessError) as exc:
@@ -273,9 +307,10 @@ class Supervisor:
     def _should_stop(self, role: RunRole, now) -> bool:
         run = role.run
         if RunState(run.state) in ACTIVE_STATES:
-            return False
+            return launch.superseded(role, run)  # its run was admitted again: a new attempt replaces it
         ended = run.finished_at or run.updated_at
-        return ended is None or (now - ended).total_seconds() >= STOP_GRACE_S or run.state == RunState.CANCELLED
+        grace = ROLLOUT_STOP_GRACE_S if launch.is_rollout(role.name) else STOP_GRACE_S
+        return ended is None or (now - ended).total_seconds() >= grace or run.state == RunState.CANCELLED
 
     def _terminate(self, role: RunRole, done: dict[str, int]) -> None:
         key = (role.pk, role.attempt)

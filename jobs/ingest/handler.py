@@ -38,6 +38,7 @@ MAX_ERRORS = 20  # reported per bad batch; the rest is noise
 MAX_STEP = 2**62  # fits BIGINT with room; no real run gets near it
 MAX_TIME = 32_503_680_000  # year 3000 in Unix seconds: later "times" are garbage, and overflow datetime
 INT_RANGE = (-(2**63), 2**63 - 1)  # integers PostgreSQL can compare as numbers without surprises
+COMMAND_ROLE = "trainer-0"  # jobs.launch.TRAINER: the one role whose heartbeats take commands
 
 
 class WrongRun(Exception):
@@ -397,7 +398,8 @@ def register_checkpoint(token: RunToken, body: Any) -> dict[str, Any]:
 
 
 def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
-    """``{role, status?, info?}``: the role is alive now; the reply carries pending commands."""
+    """``{role, status?, info?}``: the role is alive now; the reply to the trainer role carries pending
+    commands (other roles' replies none)."""
     if not isinstance(body, dict):
         raise InvalidInput.one("body", "must be a JSON object")
     errors = _Errors()
@@ -445,7 +447,9 @@ def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
             )
             if status == "running":
                 _mark_running(token.run_id)
-        delivered = commands.deliver(token.run_id)
+        # Only the trainer applies commands: delivering one to another role (a remote rollout instance,
+        # which ignores them) would mark it delivered, and the trainer would not see it until redelivery.
+        delivered = commands.deliver(token.run_id) if role == COMMAND_ROLE else []
     return {"commands": delivered}
 
 

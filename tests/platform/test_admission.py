@@ -242,3 +242,43 @@ def test_cancelling_a_queued_run_moves_the_others_up(make_group, make_experiment
     assert [_state(r)[1] for r in (second, third)] == [1, 2]
     assert _state(second)[2] == "no free cpu devices in group g (need 1, free 0)"
     assert _devices_of(holder) == [("g-h1", 0)]
+
+
+def _remote_spec(trainer_devices: int, remote: int, local: int = 1) -> str:
+    return (
+        "name: remote\npipeline:\n  mode: async\nresources:\n"
+        f"  trainer_devices: {trainer_devices}\n  rollout_workers: {local}\n  remote_rollout_workers: {remote}\n"
+    )
+
+
+def test_a_run_with_remote_rollout_roles_keeps_its_trainer_share_on_one_host(
+    make_group, make_experiment, team_a, owner
+):
+    layout = [("h1", 2, "sw1"), ("h2", 2, "sw1"), ("h3", 1, "sw1")]
+    groups = [make_group(name, hosts=layout, teams=[team_a]) for name in ("g", "k")]
+    exp, other = (make_experiment(team_a, g, f"e-{g.name}", max_devices=10, max_rollout_workers=10) for g in groups)
+    # 3 trainer devices + 2 remote roles: 5 devices, but no host has 3 free: it waits rather than failing
+    waiting, _ = handler.submit_run(owner, exp, _remote_spec(3, 2))
+    assert _state(waiting) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 5, free 5)")
+    # 2 trainer devices + 3 remote roles: the trainer's two together on one host, the roles on the rest
+    fits, _ = handler.submit_run(owner, other, _remote_spec(2, 3))
+    fits.refresh_from_db()
+    assert fits.state == RunState.ADMITTED
+    hosts = [h for h, _ in _devices_of(fits)]
+    assert sorted(hosts) == ["k-h1", "k-h1", "k-h2", "k-h2", "k-h3"]
+
+
+def test_remote_rollout_roles_count_against_the_rollout_worker_quota(make_group, make_experiment, team_a, owner):
+    group = make_group("g", hosts=[("h1", 8, "sw1")], teams=[team_a])
+    exp = make_experiment(team_a, group, "e", max_devices=8, max_rollout_workers=2)
+    with pytest.raises(handler.InvalidInput) as err:
+        handler.submit_run(owner, exp, _remote_spec(1, 2))
+    assert err.value.errors == [
+        {
+            "field": "resources.remote_rollout_workers",
+            "message": "3 exceeds the quota's 2 rollout workers (1 on the trainer's host + 2 remote)",
+        }
+    ]
+    assert Run.objects.count() == 0
+    run, _ = handler.submit_run(owner, exp, _remote_spec(1, 1))
+    assert run.rollout_workers == 2 and run.devices_requested == 2

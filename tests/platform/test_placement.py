@@ -44,3 +44,20 @@ def test_take_removes_the_chosen_devices_from_their_hosts_only():
     take(free, host_of, [11, 20, 21])
     assert free == {1: [10, 12], 2: [], 3: [30]}
     assert place(2, free, {}) == [10, 12]  # the next gang sees what is left
+
+
+def test_a_home_share_stays_on_one_host_and_the_rest_goes_anywhere():
+    from jobs.placement import place_with_home
+
+    # place() alone would fill the fullest hosts: 2 + 2 + 1, no host holding the 3 of the trainer
+    free = {1: [10, 11], 2: [20, 21, 22], 3: [30, 31]}
+    assert place(5, {1: [10, 11], 2: [20, 21], 3: [30]}, {}) == [10, 11, 20, 21, 30]
+    assert place_with_home(5, 3, {1: [10, 11], 2: [20, 21], 3: [30]}, {}) is None  # no host holds 3
+    chosen = place_with_home(5, 3, free, {})
+    assert chosen[:3] == [20, 21, 22] and sorted(chosen[3:]) == [10, 11]
+    # when place()'s own choice keeps the share together it stands
+    assert place_with_home(4, 2, free, {}) == place(4, free, {})
+    # the home share alone (no remote roles): one host or nothing
+    assert place_with_home(3, 3, free, {}) == [20, 21, 22]
+    assert place_with_home(4, 4, free, {}) is None
+    assert place_with_home(0, 0, {}, {}) == []

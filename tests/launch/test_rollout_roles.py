@@ -1,0 +1,643 @@
+"""Remote rollout roles (``resources.remote_rollout_workers``): placement across hosts, what each way a
+rollout role ends does to its run, stopping what an earlier admission left, and command delivery.
+
+Decisions are tested against the database (start tasks captured, not sent); the end-to-end tests at the
+bottom (slow) run uvicorn, a Celery worker per host (two hosts on this machine) and real
+``python -m runtime role trainer|rollout`` processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from django.utils import timezone
+
+from jobs import commands, handler, launch, placement, supervisor
+from jobs.ingest import handler as ingest
+from jobs.models import Allocation, RunEvent, RunRole
+from jobs.models import RoleState as R
+from jobs.states import RunState
+from rlplatform.models import HostStatus
+
+
+def remote_spec(workers: int = 2, *, trainer_devices: int = 1, name: str = "remote", **resources) -> str:
+    extra = "".join(f"  {key}: {value}\n" for key, value in resources.items())
+    return (
+        f"name: {name}\npipeline:\n  mode: async\nresources:\n  device: cpu\n  trainer_devices: {trainer_devices}\n"
+        f"  rollout_workers: 0\n  remote_rollout_workers: {workers}\n{extra}"
+    )
+
+
+# --- the pure split ------------------------------------------------------------------------------------
+
+
+def test_split_puts_the_trainer_share_on_the_fullest_host_and_one_device_per_rollout_instance():
+    assert placement.split_roles({7: [0, 1], 3: [5]}, 1, 2) == (7, [0], [(7, 1), (3, 5)])
+    # Ties go to the lowest host id; the trainer's host is filled first, then the others by id.
+    assert placement.split_roles({9: [2, 3], 4: [0, 1]}, 2, 2) == (4, [0, 1], [(9, 2), (9, 3)])
+    # The fullest host that can hold the share, not merely the fullest.
+    assert placement.split_roles({1: [0, 1, 2], 2: [0, 1, 2, 3]}, 4, 3) == (2, [0, 1, 2, 3], [(1, 0), (1, 1), (1, 2)])
+
+
+def test_split_refuses_what_cannot_be_divided_with_the_reason():
+    assert placement.split_roles({1: [0, 1], 2: [0, 1]}, 3, 1) == (
+        "its trainer needs 3 devices on one host, but its 4 devices lie on 2 hosts with at most 2 on one"
+    )
+    assert placement.split_roles({1: [0, 1]}, 1, 2) == "it holds 2 devices but needs 3"
+
+
+# --- fixtures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _roots(settings, tmp_path):
+    settings.TANDEM_CHECKPOINT_ROOT = tmp_path
+
+
+@pytest.fixture
+def two_hosts(make_group, make_experiment, team_a, owner):
+    """Two hosts of two CPU devices on one switch, and team A's experiment there."""
+    group = make_group("pair", "cpu", hosts=[("h1", 2, "sw1"), ("h2", 2, "sw1")], teams=[team_a])
+    return make_experiment(team_a, group, "pair")
+
+
+def _starts(callbacks) -> list:
+    return [c for c in callbacks if "_request_start" in c.__qualname__]
+
+
+def _launch(run, capture):
+    with capture(execute=False) as sent:
+        trainer = launch.launch_run(run.pk)
+    return trainer, _starts(sent)
+
+
+def _roles(run) -> dict[str, RunRole]:
+    return {role.name: role for role in RunRole.objects.filter(run=run).select_related("host")}
+
+
+@pytest.fixture
+def running(two_hosts, owner, django_capture_on_commit_callbacks):
+    """running(workers=2, **resources) -> a RUNNING run whose roles all run (attempt 0)."""
+
+    def make(workers: int = 2, **resources):
+        run, _ = handler.submit_run(owner, two_hosts, remote_spec(workers, **resources))
+        assert run.state == RunState.ADMITTED, run.reason
+        _launch(run, django_capture_on_commit_callbacks)
+        RunRole.objects.filter(run=run).update(state=R.RUNNING, pid=999999, launched_at=timezone.now())
+        handler.transition(run, RunState.STARTING)
+        handler.transition(run, RunState.RUNNING)
+        return run, _roles(run)
+
+    return make
+
+
+def _exit(role, code, log="", why="", capture=None):
+    role.refresh_from_db()
+    if capture is None:
+        return launch.role_exited(role.pk, role.attempt, code, log, why), []
+    with capture(execute=False) as sent:
+        decision = launch.role_exited(role.pk, role.attempt, code, log, why)
+    return decision, _starts(sent)
+
+
+def _state(run) -> str:
+    run.refresh_from_db()
+    return run.state
+
+
+def _snapshot(role) -> tuple:
+    role.refresh_from_db()
+    return (role.state, role.attempt, role.restarts, role.host_id, role.device_indices)
+
+
+# --- placement -----------------------------------------------------------------------------------------
+
+
+def test_launch_places_the_trainer_on_one_host_and_each_rollout_role_on_a_device_of_its_own(
+    two_hosts, owner, django_capture_on_commit_callbacks
+):
+    run, _ = handler.submit_run(owner, two_hosts, remote_spec(2))
+    allocated = sorted(Allocation.objects.active().filter(run=run).values_list("device__host__name", "device__index"))
+    assert allocated == [("pair-h1", 0), ("pair-h1", 1), ("pair-h2", 0)]  # admission spread it over two hosts
+
+    trainer, sent = _launch(run, django_capture_on_commit_callbacks)
+
+    roles = _roles(run)
+    assert trainer.name == "trainer-0"
+    placed = {name: (r.host.name, r.device_indices, r.state, r.attempt) for name, r in roles.items()}
+    assert placed == {
+        "trainer-0": ("pair-h1", [0], R.PENDING, 0),
+        "rollout-0": ("pair-h1", [1], R.PENDING, 0),
+        "rollout-1": ("pair-h2", [0], R.PENDING, 0),
+    }
+    assert len(sent) == 3  # one start task per role, each to its host's queue, after commit
+    assert {r.workdir for r in roles.values()} == {str(launch.run_dir(run.pk))}  # one shared run directory
+    queued = RunEvent.objects.filter(run=run, kind="role_queued").values_list("payload", flat=True)
+    assert sorted(p["role"] for p in queued) == ["rollout-0", "rollout-1", "trainer-0"]
+
+    # Idempotent: a redelivered launch task changes nothing and sends nothing.
+    again, sent_again = _launch(run, django_capture_on_commit_callbacks)
+    assert again is None and sent_again == []
+    assert {name: (r.host.name, r.device_indices, r.attempt) for name, r in _roles(run).items()} == {
+        name: (host, indices, attempt) for name, (host, indices, _state, attempt) in placed.items()
+    }
+
+
+def test_a_run_whose_trainer_share_fits_no_host_waits_in_the_queue(
+    two_hosts, owner, django_capture_on_commit_callbacks
+):
+    # admission keeps the trainer's share on one host (jobs.placement.place_with_home): 3 do not fit on
+    # hosts of 2, so the run waits instead of being admitted across hosts and failing at launch
+    run, _ = handler.submit_run(owner, two_hosts, remote_spec(1, trainer_devices=3))
+    run.refresh_from_db()
+    assert run.state == RunState.QUEUED
+    assert run.reason.startswith("no free cpu devices in group")
+    trainer, sent = _launch(run, django_capture_on_commit_callbacks)
+    assert trainer is None and sent == []
+    assert not RunRole.objects.filter(run=run).exists()
+    assert not Allocation.objects.active().filter(run=run).exists()
+
+
+# --- the start: command line and environment ------------------------------------------------------------
+
+
+def test_a_rollout_role_runs_role_rollout_with_the_runs_shared_key(running, settings):
+    run, roles = running(2)
+    path = launch.run_dir(run.pk) / "spec.yaml"
+    assert supervisor._command(roles["rollout-1"], path)[1:] == [
+        "-m",
+        "runtime",
+        "role",
+        "rollout",
+        "--spec",
+        str(path),
+        "--workdir",
+        roles["rollout-1"].workdir,
+    ]
+    assert supervisor._command(roles["trainer-0"], path)[4] == "trainer"
+
+    envs = {name: supervisor._role_env(run, role, "tdr_x") for name, role in roles.items()}
+    keys = {env["TANDEM_ROLLOUT_KEY"] for env in envs.values()}
+    assert len(keys) == 1 and len(keys.pop()) == 64  # the same secret for every role of the run
+    assert envs["rollout-1"]["TANDEM_ROLE"] == "rollout-1"
+    assert envs["rollout-1"]["TANDEM_HOST_NAME"] == "pair-h2"
+    assert envs["trainer-0"]["TANDEM_HOST_ADDRESS"] == roles["trainer-0"].host.address == "127.0.0.1"
+    # Another run has another key; a run without remote rollout roles has none.
+    assert supervisor.rollout_key(run.pk + 1) != envs["trainer-0"]["TANDEM_ROLLOUT_KEY"]
+    settings.SECRET_KEY = "another-secret-key-of-another-platform-0123456789"
+    assert supervisor.rollout_key(run.pk) != envs["trainer-0"]["TANDEM_ROLLOUT_KEY"]
+
+
+def test_start_role_runs_each_role_with_its_kind_and_the_runs_key(
+    two_hosts, owner, monkeypatch, django_capture_on_commit_callbacks
+):
+    """Real role processes (a stand-in that prints what it was given) through the real wrapper."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.launch.helpers import wait_for
+
+    names = ["TANDEM_ROLE", "TANDEM_ROLLOUT_KEY", "TANDEM_HOST_ADDRESS", "TANDEM_ATTEMPT", "SECRET_KEY"]
+    source = "import json, os, sys; print(json.dumps([sys.argv[1], {k: os.environ.get(k) for k in sys.argv[2:]}]))"
+    monkeypatch.setattr(
+        supervisor,
+        "role_command",
+        lambda spec, workdir, kind="trainer": [sys.executable, "-c", source, kind, *names],
+    )
+    run, _ = handler.submit_run(owner, two_hosts, remote_spec(1))
+    _launch(run, django_capture_on_commit_callbacks)
+    seen = {}
+    for name, role in _roles(run).items():
+        assert supervisor.start_role(role.pk, 0) == "started"
+        log = launch.role_dir(role) / "log"
+        wait_for(lambda role=role: (launch.role_dir(role) / "exit_code").exists(), f"{name} to exit")
+        seen[name] = json.loads(log.read_text().splitlines()[0])
+    assert [seen["trainer-0"][0], seen["rollout-0"][0]] == ["trainer", "rollout"]
+    trainer_env, rollout_env = seen["trainer-0"][1], seen["rollout-0"][1]
+    assert trainer_env["TANDEM_ROLLOUT_KEY"] == rollout_env["TANDEM_ROLLOUT_KEY"] == supervisor.rollout_key(run.pk)
+    assert (rollout_env["TANDEM_ROLE"], rollout_env["TANDEM_ATTEMPT"]) == ("rollout-0", "0")
+    assert rollout_env["TANDEM_HOST_ADDRESS"] == "127.0.0.1" and rollout_env["SECRET_KEY"] is None
+    # One spec file in the run directory, written whole (no partial file left behind).
+    assert sorted(p.name for p in Path(launch.run_dir(run.pk)).iterdir()) == ["roles", "spec.yaml"]
+
+
+def test_a_run_without_remote_rollout_roles_gets_no_rollout_key(experiment, submit, django_capture_on_commit_callbacks):
+    run = submit(experiment)
+    trainer, _ = _launch(run, django_capture_on_commit_callbacks)
+    env = supervisor._role_env(run, trainer, "tdr_x")
+    assert "TANDEM_ROLLOUT_KEY" not in env and env["TANDEM_HOST_ADDRESS"] == trainer.host.address
+    assert list(RunRole.objects.filter(run=run).values_list("name", flat=True)) == ["trainer-0"]
+
+
+# --- how a rollout role ends ----------------------------------------------------------------------------
+
+
+def test_a_crashed_rollout_role_restarts_on_its_devices_until_its_budget_is_spent(
+    running, django_capture_on_commit_callbacks
+):
+    run, roles = running(2, rollout_restarts=2)
+    rollout, trainer = roles["rollout-1"], roles["trainer-0"]
+    trainer_before, other_before = _snapshot(trainer), _snapshot(roles["rollout-0"])
+    for n in (1, 2):
+        decision, sent = _exit(rollout, 137, capture=django_capture_on_commit_callbacks)
+        assert decision == "restarting" and len(sent) == 1
+        assert _snapshot(rollout) == (R.PENDING, n, n, rollout.host_id, [0])
+        rollout.refresh_from_db()
+        assert rollout.message == "restarting after: exit code 137"
+        RunRole.objects.filter(pk=rollout.pk).update(state=R.RUNNING, pid=999999)
+        assert _state(run) == RunState.RUNNING  # the run goes on
+    assert _snapshot(trainer) == trainer_before and _snapshot(roles["rollout-0"]) == other_before
+
+    decision, sent = _exit(
+        rollout, 3, "error: no trainer reachable for 600 s\n", capture=django_capture_on_commit_callbacks
+    )
+    assert decision == "failed" and sent == []
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED
+    assert run.reason == "rollout-1 failed after 2 restarts: no trainer reachable for 600 s"
+    assert RunEvent.objects.filter(run=run, kind="role_restarted").count() == 2
+
+
+def test_a_vanished_rollout_role_is_restarted_too(running, django_capture_on_commit_callbacks):
+    run, roles = running(1)
+    decision, sent = _exit(
+        roles["rollout-0"], None, why="the process vanished", capture=django_capture_on_commit_callbacks
+    )
+    assert decision == "restarting" and len(sent) == 1
+    roles["rollout-0"].refresh_from_db()
+    assert roles["rollout-0"].message == "restarting after: the process vanished"
+
+
+def test_a_rollout_role_that_exits_zero_is_done_and_not_restarted(running, django_capture_on_commit_callbacks):
+    run, roles = running(2)
+    decision, sent = _exit(roles["rollout-0"], 0, capture=django_capture_on_commit_callbacks)
+    assert decision == "done" and sent == []
+    assert _snapshot(roles["rollout-0"])[:3] == (R.EXITED, 0, 0)
+    assert _state(run) == RunState.RUNNING  # the run follows its trainer, not a rollout role
+    assert RunEvent.objects.filter(run=run, kind="role_done").values_list("payload", flat=True).get() == {
+        "role": "rollout-0",
+        "attempt": 0,
+    }
+    assert launch.role_exited(roles["rollout-0"].pk, 0, 0) == "ignored"  # reported twice: once only
+
+
+def test_bad_input_of_a_rollout_role_fails_the_run_at_once(running):
+    run, roles = running(2, rollout_restarts=5)
+    decision, _ = _exit(roles["rollout-1"], 2, "error: TANDEM_ROLLOUT_KEY: required\n")
+    assert decision == "failed"
+    run.refresh_from_db()
+    assert run.state == RunState.FAILED
+    assert run.reason == "rollout-1 rejected its input: TANDEM_ROLLOUT_KEY: required"
+    assert roles["rollout-1"].restarts == 0
+
+
+def test_a_trainer_restart_leaves_the_rollout_roles_running(running, settings, django_capture_on_commit_callbacks):
+    settings.TANDEM_HOST_FAILURE_LIMIT = 10
+    run, roles = running(2)
+    before = {name: _snapshot(roles[name]) for name in ("rollout-0", "rollout-1")}
+    decision, sent = _exit(
+        roles["trainer-0"], 1, "error: RuntimeError: boom\n", capture=django_capture_on_commit_callbacks
+    )
+    assert decision == "restarting" and len(sent) == 1  # the trainer's start task only
+    assert _snapshot(roles["trainer-0"])[:3] == (R.PENDING, 1, 1)
+    assert {name: _snapshot(roles[name]) for name in ("rollout-0", "rollout-1")} == before
+    assert _state(run) == RunState.RUNNING
+
+
+def test_the_runs_end_follows_the_trainer_and_ends_the_rollout_roles(running):
+    run, roles = running(1)
+    assert _exit(roles["trainer-0"], 0, '{"outcome": "completed", "steps": 3}\n')[0] == "completed"
+    assert _state(run) == RunState.COMPLETED
+    rollout = roles["rollout-0"]
+    rollout.refresh_from_db()
+    sup = supervisor.Supervisor(rollout.host.name, 0.1)
+    now = timezone.now()
+    assert sup._should_stop(rollout, now) is False  # it is released by the trainer: a moment to exit by itself
+    later = now + datetime.timedelta(seconds=supervisor.ROLLOUT_STOP_GRACE_S + 0.5)
+    assert sup._should_stop(rollout, later) is True
+    # The trainer of a stopped run keeps its longer grace (a final checkpoint).
+    assert sup._should_stop(roles["trainer-0"], later) is False
+    assert _exit(rollout, 143)[0] == "ended"
+    assert _state(run) == RunState.COMPLETED
+
+
+# --- a requeued run: every role of the new admission, none of the old ----------------------------------
+
+
+def test_a_preempted_run_is_launched_again_once_its_earlier_rollout_roles_ended(
+    running, django_capture_on_commit_callbacks
+):
+    run, roles = running(2)
+    decision, _ = _exit(roles["trainer-0"], 0, '{"outcome": "preempted", "steps": 4}\n')
+    assert decision == "preempted"
+    assert _state(run) == RunState.ADMITTED  # requeued and admitted again at once (the group has room)
+
+    # Its rollout roles of the earlier admission still live: nothing is launched yet, and their
+    # supervisors stop them.
+    assert _launch(run, django_capture_on_commit_callbacks) == (None, [])
+    rollout0, rollout1 = roles["rollout-0"], roles["rollout-1"]
+    rollout0.refresh_from_db()
+    assert launch.superseded(rollout0, run) is True
+    assert supervisor.Supervisor(rollout0.host.name, 0.1)._should_stop(rollout0, timezone.now()) is True
+
+    assert _exit(rollout0, 0, capture=django_capture_on_commit_callbacks) == ("superseded", [])
+    launch.run_dir(run.pk).mkdir(parents=True)
+    (launch.run_dir(run.pk) / launch.ENDPOINT_FILE).write_text('{"ended": true}')
+    with django_capture_on_commit_callbacks(execute=False) as sent_all:
+        decision = launch.role_exited(rollout1.pk, 0, 143)
+    sent = _starts(sent_all)
+    assert decision == "superseded" and len(sent) == 3  # the last one out launches every role again
+    # The earlier trainer's run-ended marker goes before the new roles start (they would leave at once).
+    endpoint = launch.run_dir(run.pk) / launch.ENDPOINT_FILE
+    forget = [c for c in sent_all if "_forget_endpoint" in c.__qualname__]
+    assert endpoint.exists() and len(forget) == 1
+    assert sent_all.index(forget[0]) < sent_all.index(sent[0])  # after commit, before the start tasks
+    forget[0]()
+    assert not endpoint.exists()
+    relaunched = {name: (r.state, r.attempt, r.restarts) for name, r in _roles(run).items()}
+    assert relaunched == {
+        "trainer-0": (R.PENDING, 1, 0),
+        "rollout-0": (R.PENDING, 1, 0),
+        "rollout-1": (R.PENDING, 1, 0),
+    }
+    assert RunEvent.objects.filter(run=run, kind="role_restarted").count() == 0  # a preemption is no failure
+
+
+def test_a_restart_still_pending_when_the_run_was_admitted_again_is_never_started(
+    running, django_capture_on_commit_callbacks
+):
+    run, roles = running(1)
+    rollout = roles["rollout-0"]
+    _exit(rollout, 137, capture=django_capture_on_commit_callbacks)  # its restart is queued (attempt 1) ...
+    _exit(roles["trainer-0"], 0, '{"outcome": "preempted", "steps": 2}\n')  # ... when the run is requeued
+    assert _state(run) == RunState.ADMITTED
+    with django_capture_on_commit_callbacks(execute=False) as sent:
+        assert supervisor.start_role(rollout.pk, 1) == "superseded"
+    assert len(_starts(sent)) == 2  # it was the last live attempt: every role is launched again
+    assert {name: (r.state, r.attempt, r.pid) for name, r in _roles(run).items()} == {
+        "trainer-0": (R.PENDING, 1, None),
+        "rollout-0": (R.PENDING, 2, None),
+    }
+
+
+def test_a_freshly_launched_rollout_role_is_not_taken_for_a_leftover(
+    two_hosts, owner, django_capture_on_commit_callbacks
+):
+    run, _ = handler.submit_run(owner, two_hosts, remote_spec(2))
+    _launch(run, django_capture_on_commit_callbacks)
+    roles = _roles(run)
+    assert _state(run) == RunState.ADMITTED
+    assert not any(launch.superseded(role, run) for role in roles.values())
+    # A start that fails while the run is still ADMITTED is a failure of this admission: restarted.
+    decision, sent = _exit(roles["rollout-0"], None, why="could not start", capture=django_capture_on_commit_callbacks)
+    assert decision == "restarting" and len(sent) == 1
+
+
+def test_a_lost_host_requeues_the_run_and_every_live_attempt_of_it_ends(
+    running, settings, django_capture_on_commit_callbacks
+):
+    settings.TANDEM_HOST_GRACE_S = 5
+    run, roles = running(1)  # trainer-0 on pair-h1 [0], rollout-0 on pair-h1 [1]
+    h1 = roles["trainer-0"].host
+    # Move the rollout role to the other host, which is then lost.
+    h2 = run.experiment.group.hosts.exclude(pk=h1.pk).get()
+    RunRole.objects.filter(pk=roles["rollout-0"].pk).update(host=h2, device_indices=[0])
+    RunRole.objects.filter(run=run).update(supervised_at=timezone.now() - datetime.timedelta(seconds=60))
+    RunRole.objects.filter(pk=roles["trainer-0"].pk).update(supervised_at=timezone.now())
+    h2.status = HostStatus.LOST
+    h2.save()
+
+    with django_capture_on_commit_callbacks(execute=False):
+        assert launch.watch()["lost"] == 1
+    rollout = RunRole.objects.get(pk=roles["rollout-0"].pk)
+    assert (rollout.state, rollout.message, rollout.restarts) == (R.EXITED, "host pair-h2 lost", 1)
+    run.refresh_from_db()
+    assert run.state == RunState.ADMITTED  # requeued, admitted again on what is left of the group
+    assert set(Allocation.objects.active().filter(run=run).values_list("device__host_id", flat=True)) == {h1.pk}
+
+    # The trainer of the earlier admission lives on h1: its supervisor stops it; its end relaunches.
+    trainer = RunRole.objects.select_related("run").get(pk=roles["trainer-0"].pk)
+    assert supervisor.Supervisor(h1.name, 0.1)._should_stop(trainer, timezone.now()) is True
+    decision, sent = _exit(trainer, 143, capture=django_capture_on_commit_callbacks)
+    assert decision == "superseded" and len(sent) == 2
+    assert {name: (r.host_id, r.state, r.attempt) for name, r in _roles(run).items()} == {
+        "trainer-0": (h1.pk, R.PENDING, 1),
+        "rollout-0": (h1.pk, R.PENDING, 1),
+    }
+
+
+# --- commands ride on the trainer's heartbeats only ----------------------------------------------------
+
+
+def test_a_rollout_roles_heartbeat_never_takes_the_trainers_commands(running, owner):
+    from jobs.ingest.tokens import authenticate_run_token, mint_run_token
+    from jobs.models import Command
+
+    run, _ = running(1)
+    command = commands.create(owner, run, "pause")
+    rollout_token = authenticate_run_token(mint_run_token(run, 0))
+
+    reply = ingest.heartbeat(rollout_token, {"role": "rollout-0", "status": "waiting for the trainer"})
+
+    assert reply == {"commands": []}
+    assert Command.objects.get(pk=command.pk).state == "pending"  # not marked delivered
+    trainer_token = authenticate_run_token(mint_run_token(run, 0))
+    reply = ingest.heartbeat(trainer_token, {"role": "trainer-0", "status": "running"})
+    assert [c["id"] for c in reply["commands"]] == [command.pk]
+    assert Command.objects.get(pk=command.pk).state == "delivered"
+
+
+def test_the_command_role_is_the_trainer():
+    assert ingest.COMMAND_ROLE == launch.TRAINER
+
+
+# --- end to end: a real worker per host, real runtime processes -----------------------------------------
+
+RUN_S = 180.0  # ceiling for the whole run on a loaded machine
+
+
+@pytest.fixture
+def second_host(platform, cluster, tmp_path):
+    """Another host agent on this machine: a worker of its own (queue ``host.<name>``, one CPU device, no
+    beat), registered in the cluster's group next to the platform fixture's two-device host."""
+    import subprocess
+    import sys
+
+    from rlplatform.models import Host
+    from tests.launch.conftest import GROUP, START_S, _stop
+    from tests.launch.helpers import ROOT, wait_for
+
+    name = f"{platform.host_name}-b"
+    log = tmp_path / "worker-b.log"
+    env = {
+        **platform.env,
+        "TANDEM_HOST_NAME": name,
+        "TANDEM_HOST_GROUP": GROUP,
+        "TANDEM_HOST_DEVICE_KIND": "cpu",
+        "TANDEM_CPU_DEVICES": "1",
+        "TANDEM_HOST_ADDRESS": "127.0.0.1",
+    }
+    cmd = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--pool", "threads", "--concurrency", "2"]
+    cmd += ["-Q", f"host.{name}", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO"]
+    with log.open("a") as out:
+        worker = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(
+            lambda: Host.objects.filter(name=name, status="online", devices__isnull=False).exists(),
+            "the second worker's agent to register its host",
+            START_S,
+            [*platform.logs, log],
+        )
+        yield {"name": name, "log": log}
+    finally:
+        _stop(worker)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_run_with_remote_rollout_roles_on_two_hosts_goes_on_through_a_killed_rollout_role(
+    platform, cluster, second_host
+):
+    """trainer-0 and rollout-0 on the first host, rollout-1 on the second; rollout-1 is SIGKILLed while the
+    run goes on, restarted by the platform on its host, and reconnects; then the run is stopped (a run long
+    enough to outlast any restart, ended by a command, so the test does not depend on this machine's speed)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    import yaml
+
+    from jobs.client import TandemClient
+    from jobs.models import Command, Experiment, MetricPoint, RoleHeartbeat, Run
+    from rlplatform.models import Quota
+    from tests.launch.helpers import wait_for
+
+    quota = Quota.objects.create(
+        team=cluster["team"], group=cluster["group"], name="remote", max_devices=3, max_concurrent_runs=1
+    )
+    Experiment.objects.create(team=cluster["team"], name="remote", group=cluster["group"], quota=quota)
+    spec = {
+        "name": "remote-rollout",
+        "seed": 1,
+        "model": {"builtin": "tiny-qwen2"},
+        "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
+        "algorithm": {"name": "grpo", "group_size": 4},
+        "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
+        "pipeline": {"mode": "async", "steps": 100_000, "prompts_per_step": 4, "eval_interval": 0},
+        "resources": {"threads_per_process": 1, "rollout_workers": 0, "remote_rollout_workers": 2},
+        "checkpoint": {"interval": 0},
+        "metrics": {"progress_bar": False},
+    }
+    api = TandemClient(platform.url, cluster["token"])
+    created, body = api.submit("remote", yaml.safe_dump(spec))
+    assert created, body
+    run = Run.objects.get(pk=body["id"])
+    logs = [*platform.logs, second_host["log"]]
+
+    def role_logs() -> list[Path]:  # the workers' run directory (this process's settings point elsewhere)
+        workdirs = set(RunRole.objects.filter(run=run).values_list("workdir", flat=True))
+        return sorted(log for workdir in workdirs for log in Path(workdir).glob("roles/*/attempt-*/log"))
+
+    # Admission spreads its three devices: two on the first host, one on the second.
+    roles = wait_for(lambda: len(_roles(run)) == 3 and _roles(run), "the roles to be placed", 60, logs)
+    assert {name: r.host.name for name, r in roles.items()} == {
+        "trainer-0": platform.host_name,
+        "rollout-0": platform.host_name,
+        "rollout-1": second_host["name"],
+    }
+
+    def serving(attempt: int):
+        """rollout-1's ``attempt`` connected to the trainer (its heartbeat says so) while the run goes on."""
+        assert _state(run) in (RunState.ADMITTED, RunState.STARTING, RunState.RUNNING), run.reason
+        role = RunRole.objects.get(run=run, name="rollout-1")
+        beat = RoleHeartbeat.objects.filter(run=run, role="rollout-1", attempt=attempt, status="running").exists()
+        trained = MetricPoint.objects.filter(run=run).exists()
+        return role.attempt == attempt and role.state == R.RUNNING and beat and trained and role
+
+    victim = wait_for(lambda: serving(0), "rollout-1 to serve the trainer", RUN_S, logs + role_logs())
+    children = Path(f"/proc/{victim.pid}/task/{victim.pid}/children").read_text().split()
+    os.kill(int(children[0]), signal.SIGKILL)  # the runtime process, under its wrapper
+    wait_for(lambda: serving(1), "the restarted rollout-1 to reconnect", RUN_S, logs + role_logs())
+
+    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
+    assert status == 201, body
+    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs + role_logs())
+    assert run.state == RunState.COMPLETED, run.reason
+    assert Command.objects.get(pk=body["id"]).state == "done"  # the trainer took it, not a rollout role
+    wait_for(
+        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(),
+        "every role to end",
+        60,
+        logs + role_logs(),
+    )
+    ended = {r.name: (r.attempt, r.restarts, r.exit_code, r.host.name) for r in _roles(run).values()}
+    assert ended == {
+        "trainer-0": (0, 0, 0, platform.host_name),  # the trainer never went down
+        "rollout-0": (0, 0, 0, platform.host_name),  # released by the trainer at the end
+        "rollout-1": (1, 1, 0, second_host["name"]),  # restarted once, on its host, then released
+    }
+    restarted = RunEvent.objects.filter(run=run, kind="role_restarted").values_list("payload", flat=True)
+    assert [(p["role"], p["attempt"]) for p in restarted] == [("rollout-1", 1)]
+    # The trainer saw rank 1 go and come back (rank 0 and rank 1 connected, rank 1 again).
+    runtime_events = RunEvent.objects.filter(run=run, role="trainer-0")
+    assert runtime_events.filter(kind="rollout_disconnected").count() == 1
+    assert sorted(e.payload["rank"] for e in runtime_events.filter(kind="rollout_connected")) == [0, 1, 1]
+    live = sorted(MetricPoint.objects.filter(run=run).live().values_list("step", flat=True))
+    assert live == list(range(1, live[-1] + 1))  # every step once, up to the one it stopped at
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_preempted_run_with_a_remote_rollout_role_resumes_with_every_role(platform, cluster):
+    """The preempted trainer leaves the run-ended marker in the endpoint file and releases its rollout role;
+    the run is admitted again at once and both roles start again: the new rollout role must wait for the
+    new trainer, not leave on the earlier one's marker."""
+    import yaml
+
+    from jobs.client import TandemClient
+    from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run
+    from tests.launch.helpers import wait_for
+
+    spec = {
+        "name": "remote-preempt",
+        "seed": 1,
+        "model": {"builtin": "tiny-qwen2"},
+        "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
+        "algorithm": {"name": "grpo", "group_size": 4},
+        "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
+        "pipeline": {"mode": "async", "steps": 100_000, "prompts_per_step": 4, "eval_interval": 0},
+        "resources": {"threads_per_process": 1, "rollout_workers": 0, "remote_rollout_workers": 1, "preemptible": True},
+        "checkpoint": {"interval": 5, "keep_last": 1000},
+        "metrics": {"progress_bar": False},
+    }
+    api = TandemClient(platform.url, cluster["token"])
+    created, body = api.submit("e2e", yaml.safe_dump(spec))
+    assert created, body
+    run = Run.objects.get(pk=body["id"])
+    logs = platform.logs
+    wait_for(lambda: CheckpointRecord.objects.filter(run=run).exists(), "a checkpoint", RUN_S, logs)
+    commands.create(None, run, "preempt")  # what jobs.preemption sends for a waiting higher-priority run
+
+    wait_for(
+        lambda: RoleHeartbeat.objects.filter(run=run, role="rollout-0", attempt=1, status="running").exists(),
+        "the new admission's rollout role to connect to the new trainer",
+        RUN_S,
+        logs,
+    )
+    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
+    assert status == 201, body
+    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs)
+    assert run.state == RunState.COMPLETED, run.reason
+    wait_for(
+        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(), "every role to end", 60, logs
+    )
+    assert {r.name: (r.attempt, r.restarts, r.exit_code) for r in _roles(run).values()} == {
+        "trainer-0": (1, 0, 0),  # a preemption is not a failure
+        "rollout-0": (1, 0, 0),
+    }
+    resumed = RunEvent.objects.get(run=run, role="trainer-0", attempt=1, kind="resume")
+    assert CheckpointRecord.objects.filter(run=run, attempt=0, step=resumed.payload["step"]).exists()
+    live = sorted(MetricPoint.objects.filter(run=run).live().values_list("step", flat=True))
+    assert live == list(range(1, live[-1] + 1))
