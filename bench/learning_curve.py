@@ -43,9 +43,14 @@ def spec_data(args: argparse.Namespace, out: Path, model_dir: Path | None) -> di
         "output_dir": str(out / "{name}"),
         "model": model,
         "task": {"name": args.task, "min_len": 1, "max_len": 6, "train_size": 8192, "eval_size": args.eval_size},
-        "algorithm": {"name": "grpo", "group_size": 8},
+        "algorithm": {
+            "name": "grpo",
+            "group_size": args.group_size,
+            "entropy_coef": args.entropy_coef,
+            "clip_eps_high": args.clip_high,
+        },
         "trainer": {"lr": args.lr},
-        "rollout": {"max_new_tokens": 12},
+        "rollout": {"max_new_tokens": 12, "temperature": args.temperature},
         "pipeline": {
             "mode": args.mode,
             "steps": 1_000_000,
@@ -79,7 +84,13 @@ def main() -> None:
     parser.add_argument("--mode", choices=("sync", "async", "colocated"), default="async")
     parser.add_argument("--task", default="reverse")
     parser.add_argument("--sft-steps", type=int, default=35)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument(
+        "--lr", type=float, default=1e-4, help="trainer.lr (5e-4 collapses the policy within ~100 steps)"
+    )
+    parser.add_argument("--group-size", type=int, default=8, help="algorithm.group_size")
+    parser.add_argument("--temperature", type=float, default=1.0, help="rollout.temperature of the GRPO run")
+    parser.add_argument("--entropy-coef", type=float, default=0.0, help="algorithm.entropy_coef")
+    parser.add_argument("--clip-high", type=float, default=None, help="algorithm.clip_eps_high (clip-higher)")
     parser.add_argument("--eval-size", type=int, default=256)
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)

@@ -434,6 +434,11 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         _move(run, RunState.QUEUED, f"{reason}; requeued for other hosts")
         record_event(run.pk, "host_excluded", {"role": role.name, "host": role.host.name, "reason": what})
         return "requeued"
+    return _restart(role, run, what)
+
+
+def _restart(role: RunRole, run: Run, what: str) -> str:
+    """Queue the role's next attempt on its host and devices (the run goes on), recorded as an event."""
     role.attempt += 1
     role.restarts += 1
     _queue_attempt(role, f"restarting after: {what}")
@@ -457,16 +462,7 @@ def _decide_rollout(role: RunRole, run: Run, exit_code: int | None, error: str, 
     if role.restarts >= _restart_budget(role, run):
         _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {what}")
         return "failed"
-    # On its host and devices again; it connects to the trainer by itself (the endpoint file).
-    role.attempt += 1
-    role.restarts += 1
-    _queue_attempt(role, f"restarting after: {what}")
-    record_event(
-        run.pk,
-        "role_restarted",
-        {"role": role.name, "attempt": role.attempt, "restarts": role.restarts, "reason": what},
-    )
-    return "restarting"
+    return _restart(role, run, what)  # it connects to the trainer by itself (the endpoint file)
 
 
 # --- the role watchdog (jobs.tasks.watch_roles, celery beat) ----------------------------------------
