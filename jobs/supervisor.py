@@ -110,9 +110,16 @@ def process_alive(pid: int | None, marker: str) -> bool:
 # --- start ------------------------------------------------------------------------------------------
 
 
+KEEP_EVERY_CHECKPOINT = 10_000  # the largest checkpoint.keep_last the spec takes
+
+
 def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
     spec = copy.deepcopy(run.resolved_spec)
     spec["output_dir"] = role.workdir
+    # The platform owns retention (jobs.checkpoints.apply_retention, with the run's own keep_last): it keeps
+    # pinned checkpoints, fork parents and pending rollback targets, which the runtime cannot see, and
+    # deletes record and files together. The runtime's own rotation would delete them behind its back.
+    spec.setdefault("checkpoint", {})["keep_last"] = KEEP_EVERY_CHECKPOINT
     # Live parameter changes survive a restart: the new attempt starts with the values in force.
     for dotted, value in commands.effective_params(run).items():
         section, _, name = dotted.partition(".")

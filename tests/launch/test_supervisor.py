@@ -191,3 +191,12 @@ def test_a_fork_starts_from_its_parent_checkpoints_policy_and_never_outside_the_
     (Path(role.workdir) / "checkpoints").rmdir()
     run.parent_checkpoint = "/etc"  # outside the checkpoint root: never handed to a role
     assert supervisor._role_spec(run, role)["model"].get("path") == own
+
+
+def test_the_role_leaves_checkpoint_retention_to_the_platform(admitted_role):
+    run, role = admitted_role
+    assert run.resolved_spec["checkpoint"]["keep_last"] == 3
+    # jobs.checkpoints.apply_retention deletes by the run's keep_last, sparing pinned checkpoints, fork
+    # parents and pending rollback targets; the runtime keeps everything it writes
+    assert supervisor._role_spec(run, role)["checkpoint"]["keep_last"] == supervisor.KEEP_EVERY_CHECKPOINT
+    assert run.resolved_spec["checkpoint"]["keep_last"] == 3  # the stored spec is untouched
