@@ -81,8 +81,9 @@ class _AsyncState:
         self.dispatcher = Dispatcher(ranks)
         self.predictor = LengthPredictor(spec.rollout.max_new_tokens, spec.rollout.length_prediction)
         self.meter = BubbleMeter(ranks)
-        self.reward_dropped: list[int] = []  # issue indices of groups that lost a reward
-        self.reward_counts: dict[str, float] = {}
+        self.reward_dropped: list[int] = []  # issue indices of groups that lost a reward (this process)
+        self.reward_dropped_before = 0  # groups that lost a reward before the checkpoint this run resumed from
+        self.reward_counts: dict[str, float] = {}  # reward-service counters, run totals
         self.circuit_open: dict[int, float] = {}
         self.error: str | None = None
         self.done = False  # set once every rollout process has exited
@@ -193,6 +194,19 @@ class _AsyncState:
             self.dispatcher.remove(slot.rank)
         return sorted(items, key=lambda it: it.index)
 
+    def counters_state(self) -> dict[str, Any]:
+        """The reward counters as a checkpoint keeps them (caller holds the lock)."""
+        return {
+            "dropped_groups": self.reward_dropped_before + len(self.reward_dropped),
+            "counts": dict(self.reward_counts),
+        }
+
+    def load_counters(self, state: dict[str, Any] | None) -> None:
+        """Counters from a checkpoint (absent in older ones: from zero); caller holds the lock."""
+        state = state or {}
+        self.reward_dropped_before = int(state.get("dropped_groups", 0)) - len(self.reward_dropped)
+        self.reward_counts = {k: float(v) for k, v in state.get("counts", {}).items()}
+
     def take_gen_counters(self) -> tuple[float, int]:
         with self.lock:
             out = (self.gen_s, self.gen_tokens)
@@ -204,7 +218,7 @@ class _AsyncState:
         with self.lock:
             bubbles = self.meter.report(among=active)
             out = {f"rollout/{k}": v for k, v in bubbles.items()}
-            out[M.SAMPLES_DROPPED_REWARD] = len(self.reward_dropped) * self.group_size
+            out[M.SAMPLES_DROPPED_REWARD] = (self.reward_dropped_before + len(self.reward_dropped)) * self.group_size
             out.update(self.reward_counts)
             if self.circuit_open:
                 out["reward/circuit_open"] = max(self.circuit_open.values())
@@ -241,6 +255,7 @@ class AsyncMode:
             spec.pipeline.scale_down_above,
         )
         if ctx.resume_state is not None:
+            self.st.load_counters(ctx.resume_state.get("reward"))
             self.queue.restore(unpack_queue(ctx.resume_state["queue"]))
             in_flight = [WorkItem.unpack(d) for d in ctx.resume_state["in_flight"]]
             ctx.source.give_back(in_flight)  # in-flight prompts at checkpoint time are re-issued first
@@ -615,7 +630,8 @@ class AsyncMode:
         with self.st.lock:
             snap = self.queue.snapshot()
             in_flight_state = [it.pack() for it in self.st.in_flight.values()]
-        self.ctx.save_checkpoint(step, {"queue": pack_queue(snap), "in_flight": in_flight_state})
+            counters = self.st.counters_state()
+        self.ctx.save_checkpoint(step, {"queue": pack_queue(snap), "in_flight": in_flight_state, "reward": counters})
 
     def forget_in_flight(self) -> None:
         with self.st.lock:
@@ -634,6 +650,7 @@ class AsyncMode:
         with self.st.lock:
             self.queue.clear()
             self.queue.restore(unpack_queue(state["queue"], offset))
+            self.st.load_counters(state.get("reward"))
         in_flight = [WorkItem.unpack(d) for d in state["in_flight"]]
         for item in in_flight:
             item.min_version += offset

@@ -154,3 +154,31 @@ def test_the_active_instance_count_follows_the_queue_watermark(tmp_path):
     assert {rank for step, rank, _ in issued if step < parked_at} == {0, 1}
     assert {rank for step, rank, _ in issued if step >= parked_at} == {0}
     accounted_once(result["trace"])
+
+
+@pytest.mark.slow
+def test_reward_counters_are_run_totals_across_a_resume(tmp_path):
+    server = RewardServer(fail_prompt=failing, reward=0.75)
+    try:
+        over = dict(
+            reward__url=server.url,
+            reward__max_retries=0,
+            reward__timeout_s=5.0,
+            reward__breaker_failures=1000,
+            checkpoint__interval=3,
+        )
+        first = tiny_spec(tmp_path, "counted", BASE, pipeline__steps=3, **over)
+        run(first)
+        before, _ = read_jsonl(tmp_path / "counted" / "metrics.jsonl")
+        at_checkpoint = before[-1]
+        assert at_checkpoint["samples/dropped_reward"] > 0 and at_checkpoint["reward/dropped"] > 0
+        again = tiny_spec(tmp_path, "counted", BASE, pipeline__steps=6, **over)
+        run(again, resume=tmp_path / "counted" / "checkpoints")
+    finally:
+        server.close()
+    steps, _ = read_jsonl(tmp_path / "counted" / "metrics.jsonl")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    # the resumed process counts on from the checkpoint's totals, never from zero
+    for key in ("samples/dropped_reward", "reward/dropped", "reward/requests"):
+        assert steps[3][key] >= at_checkpoint[key], key
+        assert all(a[key] <= b[key] for a, b in zip(steps, steps[1:], strict=False)), key
