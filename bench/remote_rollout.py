@@ -103,7 +103,7 @@ def weight_bytes(model: str) -> int:
     from runtime.spec import ModelSpec
 
     policy, _ = build_policy(ModelSpec(builtin=model), "cpu", seed=0)
-    return len(save({k: v.contiguous() for k, v in policy.state_dict().items()}))
+    return len(save({k: v.clone() for k, v in policy.state_dict().items()}))  # tied weights: one copy each
 
 
 def main() -> None:

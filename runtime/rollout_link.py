@@ -197,11 +197,22 @@ class WeightBlobs:
         with self._lock:
             blob = self._blobs.get(version)
             if blob is None:
-                blob = save({k: v.contiguous() for k, v in state.items()})
+                blob = save(_unshared(state))
                 self._blobs[version] = blob
                 for old in sorted(self._blobs)[: -self.keep]:
                     del self._blobs[old]
             return blob
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors of which none shares memory with another (safetensors refuses tied ones,
+    e.g. an embedding tied to the output layer: each name gets its own copy)."""
+    out, seen = {}, set()
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor.contiguous()
+        seen.add(ptr)
+    return out
 
 
 def decode_weights(blob: bytes) -> dict[str, torch.Tensor]:

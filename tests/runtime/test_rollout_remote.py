@@ -350,3 +350,16 @@ def test_a_silent_remote_instance_is_cut_off_and_its_index_served_by_a_new_proce
     assert "the trainer cannot take rank 0 yet: rank 0 is still connected" in (tmp_path / "second.log").read_text()
     assert "rank 0: connected to the trainer" in (tmp_path / "second.log").read_text()
     _accounted_once(result["trace"])
+
+
+def test_weights_with_tied_tensors_are_serialised_for_the_link():
+    from runtime.rollout_link import WeightBlobs
+
+    shared = torch.arange(6, dtype=torch.float32).view(2, 3)
+    state = {"embed.weight": shared, "head.weight": shared, "norm.weight": torch.ones(3)}  # tied, as HF ties them
+    blobs = WeightBlobs(keep=1)
+    got = decode_weights(blobs.get(5, state))
+    assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
+    assert blobs.get(5, {}) is blobs.get(5, {})  # serialised once per version
+    blobs.get(6, state)
+    assert list(blobs._blobs) == [6]  # the newest `keep` versions only
