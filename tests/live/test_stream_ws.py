@@ -192,7 +192,11 @@ def test_refused_sockets_are_closed_with_a_code(run, outsider, owner, cookie_for
     async def scenario():
         comm = communicator(path.format(run=run.pk), cookie)
         await comm.connect()
-        return await comm.receive_output(timeout=5)
+        closed = await comm.receive_output(timeout=5)
+        # A server answers the app's close with websocket.disconnect, and the consumer then ends by itself.
+        # Left running, it was cancelled with the event loop, which now and then never finished (a hang).
+        await comm.disconnect()
+        return closed
 
     closed = async_to_sync(scenario)()
     assert closed == {"type": "websocket.close", "code": code}
