@@ -684,8 +684,13 @@ def _handle_stale(ctx: RunContext, queue: SampleQueue, stale: list[Sample], poli
 
 
 def _eval_engine(ctx: RunContext) -> Any:
+    """The evaluator's engine: on its own device with ``resources.eval_devices``, else the trainer's."""
+    from runtime.devices import resolve_device
     from runtime.models import build_policy
+    from runtime.roles import eval_device_index
 
-    model, _ = build_policy(ctx.spec.model, ctx.device, seed=ctx.spec.seed)
+    index = eval_device_index(ctx.spec)
+    device = ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)
+    model, _ = build_policy(ctx.spec.model, device, seed=ctx.spec.seed)
     model.eval()
-    return build_engine(model, ctx.tokenizer, ctx.device, ctx.spec)
+    return build_engine(model, ctx.tokenizer, device, ctx.spec)

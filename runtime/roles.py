@@ -254,6 +254,13 @@ def rollout_device_index(spec: RunSpec, rank: int) -> int:
     return r.trainer_devices + rank % r.rollout_devices if r.rollout_devices else 0
 
 
+def eval_device_index(spec: RunSpec) -> int | None:
+    """The evaluator's own device (after the trainer's and the rollout devices), or None when it has
+    none (``eval_devices: 0``) and shares the trainer's."""
+    r = spec.resources
+    return r.trainer_devices + r.rollout_devices if r.eval_devices else None
+
+
 STOP, EPOCH = 0, 1  # indices into the shared flags of the rollout processes (a lock-free RawArray)
 # the rollout process itself: runtime.rollout_instance
 

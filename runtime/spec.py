@@ -245,7 +245,12 @@ class ResourcesSpec(_Section):
         le=4096,
         description="Async: fewest active rollout instances; below rollout_workers the count follows the queue.",
     )
-    eval_devices: int = Field(0, ge=0, le=64, description="Devices of a separate evaluator (0 = none).")
+    eval_devices: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Async: the evaluator gets its own device (after the rollout ones); 0 = the trainer's.",
+    )
     threads_per_process: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
     max_restarts: int = Field(
         3, ge=0, le=1000, description="Platform: restarts of the trainer (from its last checkpoint) before FAILED."

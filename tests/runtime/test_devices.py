@@ -101,3 +101,16 @@ def test_probe_inventory_cpu_and_absent_tools():
     assert probe_inventory("cpu")[0].startswith("cpu: ")
     if importlib.util.find_spec("torch_npu") is None:
         assert isinstance(probe_inventory("npu"), list)
+
+
+def test_each_process_kind_has_its_own_device_index():
+    from runtime.roles import eval_device_index, rollout_device_index
+    from runtime.spec import load_spec
+
+    accel = {"device": "cuda", "trainer_devices": 2, "rollout_devices": 3}
+    spec = load_spec({"pipeline": {"mode": "async"}, "resources": {**accel, "eval_devices": 1}})
+    # trainer ranks 0-1, rollout instances on 2-4 (round robin), the evaluator on 5
+    assert [rollout_device_index(spec, rank) for rank in range(4)] == [2, 3, 4, 2]
+    assert eval_device_index(spec) == 5
+    assert eval_device_index(load_spec({"pipeline": {"mode": "async"}, "resources": accel})) is None  # shares
+    assert eval_device_index(load_spec({})) is None  # CPU, no evaluator devices: the trainer's
