@@ -48,6 +48,7 @@ ENDPOINT_FILE = "rollout-endpoint.json"
 KEY_ENV = "TANDEM_ROLLOUT_KEY"
 ADDRESS_ENV = "TANDEM_HOST_ADDRESS"
 HANDSHAKE_S = 10.0  # a peer that does not answer the challenge in this long is dropped
+MAX_HANDSHAKES = 32  # connections authenticating at once; more are closed at once (a flood costs no threads)
 MAX_PROOF = 64  # bytes of a challenge or an answer: nothing longer is read before authentication
 MAGIC = b"tandem-rollout-1"
 
@@ -346,17 +347,24 @@ class RolloutListener:
     hello to ``admit(conn, hello)``, which returns None to accept it or ``(reason, retry)`` to refuse.
 
     Each connection is authenticated on a thread of its own, so a peer that stalls mid-handshake holds
-    up no one else.
+    up no one else (for at most ``HANDSHAKE_S``), and at most ``max_handshakes`` at once.
     """
 
-    def __init__(self, bind: str, key: bytes, admit: Callable[[Connection, dict[str, Any]], tuple[str, bool] | None]):
+    def __init__(
+        self,
+        bind: str,
+        key: bytes,
+        admit: Callable[[Connection, dict[str, Any]], tuple[str, bool] | None],
+        max_handshakes: int = MAX_HANDSHAKES,
+    ):
         host, _, port = bind.rpartition(":")
         self.key = key
         self.admit = admit
         self.sock = socket.create_server((host.strip("[]"), int(port)), reuse_port=False)
         self.bind_host = host.strip("[]")
         self.port = self.sock.getsockname()[1]
-        self.rejected = 0  # connections that failed authentication or the hello
+        self.rejected = 0  # connections that failed authentication or the hello, or found no handshake slot
+        self._slots = threading.BoundedSemaphore(max_handshakes)
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="rollout-listener", daemon=True)
 
@@ -377,9 +385,19 @@ class RolloutListener:
                 sock, _ = self.sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                self.rejected += 1
+                sock.close()
+                continue
             threading.Thread(target=self._handshake, args=(sock,), name="rollout-handshake", daemon=True).start()
 
     def _handshake(self, sock: socket.socket) -> None:
+        try:
+            self._authenticate(sock)
+        finally:
+            self._slots.release()
+
+    def _authenticate(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         conn = Connection(sock.detach())
         try:

@@ -135,6 +135,30 @@ def test_a_client_that_does_not_speak_the_protocol_is_dropped_without_blocking_o
         listener.close()
 
 
+def test_connections_beyond_the_handshake_limit_are_closed_at_once():
+    listener = RolloutListener("127.0.0.1:0", b"k", lambda conn, hello: ("no", False), max_handshakes=1)
+    listener.start()
+    endpoint = Endpoint("127.0.0.1", listener.port, "n")
+    try:
+        silent = socket.create_connection(("127.0.0.1", listener.port))  # holds the one handshake slot
+        time.sleep(0.2)
+        with pytest.raises((LinkError, EOFError, OSError)):  # closed before any challenge
+            connect(endpoint, b"k", {"rank": 1})
+        assert listener.rejected == 1
+        silent.close()  # its handshake fails at once, and the slot is free again
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                connect(endpoint, b"k", {"rank": 1})
+            except Refused:
+                break  # authenticated and heard: refused by `admit`, as it says
+            except (LinkError, EOFError, OSError):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        listener.close()
+
+
 def test_the_endpoint_file_is_private_atomic_and_says_when_the_run_ended(tmp_path):
     path = tmp_path / "run" / ENDPOINT_FILE
     assert read_endpoint(path) is None
