@@ -252,6 +252,7 @@ class RemotePeer:
         self._outbox: deque[tuple[str, Any]] = deque()
         self._weights: tuple[int, Callable[[], bytes]] | None = None
         self._closing = False
+        self._stopping = False  # a stop is on its way: the instance ends the connection itself
         self.disconnected = False
         self._thread = threading.Thread(target=self._send_loop, name=f"rollout-link-{rank}", daemon=True)
         self._thread.start()
@@ -289,6 +290,7 @@ class RemotePeer:
                 return
             if stop:
                 self._outbox.append(("stop", None))
+                self._stopping = True
             self._closing = True
             self._cond.notify()
 
@@ -334,11 +336,11 @@ class RemotePeer:
                 return
         if self.disconnected:
             return
-        # let the instance read the stop before the connection ends; it closes its side, we see EOF
-        deadline = time.monotonic() + 5.0
-        while not self.disconnected and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not self.disconnected:
+        if self._stopping:  # let the instance read the stop and close its side (we then see EOF)
+            deadline = time.monotonic() + 5.0
+            while not self.disconnected and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if not self.disconnected:  # closed without a stop (the trainer failed): cut it at once
             shutdown_socket(self.conn)
 
 

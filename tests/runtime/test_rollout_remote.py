@@ -387,3 +387,26 @@ def test_weights_with_tied_tensors_are_serialised_for_the_link():
     assert blobs.get(5, {}) is blobs.get(5, {})  # serialised once per version
     blobs.get(6, state)
     assert list(blobs._blobs) == [6]  # the newest `keep` versions only
+
+
+@pytest.mark.slow
+def test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart(tmp_path):
+    spec = tiny_spec(tmp_path, "fails", BASE, resources__rollout_workers=0)
+    remote = _remote(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")
+
+    def stop(step, metrics):
+        if step == 2:
+            raise RuntimeError("the trainer fails here")
+        return False
+
+    try:
+        with pytest.raises(RuntimeError, match="the trainer fails here"):
+            run(spec, stop=stop)
+        deadline = time.monotonic() + 30
+        while "the trainer went away; waiting for it to come back" not in (tmp_path / "remote.log").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert remote.poll() is None  # still alive: no stop was sent, a restarted trainer will find it
+        assert read_endpoint(tmp_path / "fails" / ENDPOINT_FILE) not in (None, "ended")
+    finally:
+        remote.kill()
