@@ -20,3 +20,17 @@ def wait_for(condition, what: str, timeout: float = 20.0, logs: list[Path] = ())
         time.sleep(0.05)
     tails = "\n".join(f"--- {p}:\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
     pytest.fail(f"timed out after {timeout:g} s waiting for {what}\n{tails}")
+
+
+def start_tasks(callbacks) -> list:
+    """The start tasks among captured after-commit callbacks (the live stream has its own)."""
+    return [c for c in callbacks if "_request_start" in c.__qualname__]
+
+
+def launch_captured(run, capture_on_commit) -> tuple:
+    """``launch.launch_run`` with its after-commit callbacks captured, not run: (its result, start tasks)."""
+    from jobs import launch
+
+    with capture_on_commit(execute=False) as sent:
+        result = launch.launch_run(run.pk)
+    return result, start_tasks(sent)

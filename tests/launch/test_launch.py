@@ -16,6 +16,7 @@ from jobs.models import Allocation, MetricPoint, RunEvent, RunRole, RunToken
 from jobs.models import RoleState as R
 from jobs.states import RunState
 from rlplatform.models import HostStatus
+from tests.launch.helpers import launch_captured, start_tasks
 
 
 @pytest.fixture(autouse=True)
@@ -23,21 +24,10 @@ def _roots(settings, tmp_path):
     settings.TANDEM_CHECKPOINT_ROOT = tmp_path
 
 
-def _starts(callbacks) -> list:
-    """The start tasks among the captured after-commit callbacks (the live stream has its own)."""
-    return [c for c in callbacks if "_request_start" in c.__qualname__]
-
-
-def _launched(run, django_capture_on_commit_callbacks):
-    with django_capture_on_commit_callbacks(execute=False) as sent:
-        role = launch.launch_run(run.pk)
-    return role, _starts(sent)
-
-
 def test_launch_places_the_trainer_on_the_runs_devices(experiment, submit, django_capture_on_commit_callbacks):
     run = submit(experiment, devices=2)
     assert run.state == RunState.ADMITTED
-    role, sent = _launched(run, django_capture_on_commit_callbacks)
+    role, sent = launch_captured(run, django_capture_on_commit_callbacks)
     devices = list(Allocation.objects.active().filter(run=run).values_list("device__host_id", "device__index"))
     assert {h for h, _ in devices} == {role.host_id}
     assert (role.name, role.state, role.attempt, role.restarts) == ("trainer-0", R.PENDING, 0, 0)
@@ -46,21 +36,21 @@ def test_launch_places_the_trainer_on_the_runs_devices(experiment, submit, djang
     assert len(sent) == 1  # the start task, to the host's queue, after commit
     assert RunEvent.objects.filter(run=run, role=launch.PLATFORM_ROLE, kind="role_queued").count() == 1
     # Idempotent: a second launch (a redelivered launch task) changes nothing and sends nothing.
-    again, sent_again = _launched(run, django_capture_on_commit_callbacks)
+    again, sent_again = launch_captured(run, django_capture_on_commit_callbacks)
     assert again is None and sent_again == []
     assert RunRole.objects.filter(run=run).count() == 1
 
 
 def test_a_run_that_is_not_admitted_is_not_launched(experiment, submit, start, django_capture_on_commit_callbacks):
     run = start(submit(experiment))
-    role, sent = _launched(run, django_capture_on_commit_callbacks)
+    role, sent = launch_captured(run, django_capture_on_commit_callbacks)
     assert role is None and sent == [] and not RunRole.objects.filter(run=run).exists()
 
 
 def test_a_run_placed_across_hosts_fails_with_the_reason(experiment, submit, django_capture_on_commit_callbacks):
     run = submit(experiment, devices=6)  # two hosts of four devices: no single host fits
     assert Allocation.objects.active().filter(run=run).values("device__host").distinct().count() == 2
-    role, sent = _launched(run, django_capture_on_commit_callbacks)
+    role, sent = launch_captured(run, django_capture_on_commit_callbacks)
     run.refresh_from_db()
     assert role is None and sent == []
     assert run.state == RunState.FAILED
@@ -77,7 +67,7 @@ def launched(experiment, submit, django_capture_on_commit_callbacks):
         if spec_resources:
             run.resolved_spec["resources"].update(spec_resources)
             run.save(update_fields=["resolved_spec"])
-        role, _ = _launched(run, django_capture_on_commit_callbacks)
+        role, _ = launch_captured(run, django_capture_on_commit_callbacks)
         RunRole.objects.filter(pk=role.pk).update(state=R.RUNNING, pid=999999, launched_at=timezone.now())
         handler.transition(run, RunState.STARTING)
         role.refresh_from_db()
@@ -91,7 +81,7 @@ def _exit(role, code, log="", why="", capture=None):
         return launch.role_exited(role.pk, role.attempt, code, log, why)
     with capture(execute=False) as sent:
         decision = launch.role_exited(role.pk, role.attempt, code, log, why)
-    return decision, _starts(sent)
+    return decision, start_tasks(sent)
 
 
 def test_exit_zero_completes_the_run_and_revokes_its_tokens(launched):
@@ -186,7 +176,7 @@ def test_the_watchdog_resends_a_start_task_nobody_claimed(launched, settings, dj
     role.host.save()
     with django_capture_on_commit_callbacks(execute=False) as sent:
         counts = launch.watch()
-    assert counts["resent"] == 1 and len(_starts(sent)) == 1
+    assert counts["resent"] == 1 and len(start_tasks(sent)) == 1
     role.refresh_from_db()
     assert (timezone.now() - role.queued_at).total_seconds() < 5
 

@@ -19,6 +19,7 @@ from jobs.models import Allocation, RunEvent, RunRole
 from jobs.models import RoleState as R
 from jobs.states import RunState
 from rlplatform.models import HostStatus
+from tests.launch.helpers import launch_captured, start_tasks
 
 
 def remote_spec(workers: int = 2, *, trainer_devices: int = 1, name: str = "remote", **resources) -> str:
@@ -62,16 +63,6 @@ def two_hosts(make_group, make_experiment, team_a, owner):
     return make_experiment(team_a, group, "pair")
 
 
-def _starts(callbacks) -> list:
-    return [c for c in callbacks if "_request_start" in c.__qualname__]
-
-
-def _launch(run, capture):
-    with capture(execute=False) as sent:
-        trainer = launch.launch_run(run.pk)
-    return trainer, _starts(sent)
-
-
 def _roles(run) -> dict[str, RunRole]:
     return {role.name: role for role in RunRole.objects.filter(run=run).select_related("host")}
 
@@ -83,7 +74,7 @@ def running(two_hosts, owner, django_capture_on_commit_callbacks):
     def make(workers: int = 2, **resources):
         run, _ = handler.submit_run(owner, two_hosts, remote_spec(workers, **resources))
         assert run.state == RunState.ADMITTED, run.reason
-        _launch(run, django_capture_on_commit_callbacks)
+        launch_captured(run, django_capture_on_commit_callbacks)
         RunRole.objects.filter(run=run).update(state=R.RUNNING, pid=999999, launched_at=timezone.now())
         handler.transition(run, RunState.STARTING)
         handler.transition(run, RunState.RUNNING)
@@ -98,7 +89,7 @@ def _exit(role, code, log="", why="", capture=None):
         return launch.role_exited(role.pk, role.attempt, code, log, why), []
     with capture(execute=False) as sent:
         decision = launch.role_exited(role.pk, role.attempt, code, log, why)
-    return decision, _starts(sent)
+    return decision, start_tasks(sent)
 
 
 def _state(run) -> str:
@@ -121,7 +112,7 @@ def test_launch_places_the_trainer_on_one_host_and_each_rollout_role_on_a_device
     allocated = sorted(Allocation.objects.active().filter(run=run).values_list("device__host__name", "device__index"))
     assert allocated == [("pair-h1", 0), ("pair-h1", 1), ("pair-h2", 0)]  # admission spread it over two hosts
 
-    trainer, sent = _launch(run, django_capture_on_commit_callbacks)
+    trainer, sent = launch_captured(run, django_capture_on_commit_callbacks)
 
     roles = _roles(run)
     assert trainer.name == "trainer-0"
@@ -137,7 +128,7 @@ def test_launch_places_the_trainer_on_one_host_and_each_rollout_role_on_a_device
     assert sorted(p["role"] for p in queued) == ["rollout-0", "rollout-1", "trainer-0"]
 
     # Idempotent: a redelivered launch task changes nothing and sends nothing.
-    again, sent_again = _launch(run, django_capture_on_commit_callbacks)
+    again, sent_again = launch_captured(run, django_capture_on_commit_callbacks)
     assert again is None and sent_again == []
     assert {name: (r.host.name, r.device_indices, r.attempt) for name, r in _roles(run).items()} == {
         name: (host, indices, attempt) for name, (host, indices, _state, attempt) in placed.items()
@@ -153,7 +144,7 @@ def test_a_run_whose_trainer_share_fits_no_host_waits_in_the_queue(
     run.refresh_from_db()
     assert run.state == RunState.QUEUED
     assert run.reason.startswith("no free cpu devices in group")
-    trainer, sent = _launch(run, django_capture_on_commit_callbacks)
+    trainer, sent = launch_captured(run, django_capture_on_commit_callbacks)
     assert trainer is None and sent == []
     assert not RunRole.objects.filter(run=run).exists()
     assert not Allocation.objects.active().filter(run=run).exists()
@@ -207,7 +198,7 @@ def test_start_role_runs_each_role_with_its_kind_and_the_runs_key(
         lambda spec, workdir, kind="trainer": [sys.executable, "-c", source, kind, *names],
     )
     run, _ = handler.submit_run(owner, two_hosts, remote_spec(1))
-    _launch(run, django_capture_on_commit_callbacks)
+    launch_captured(run, django_capture_on_commit_callbacks)
     seen = {}
     for name, role in _roles(run).items():
         assert supervisor.start_role(role.pk, 0) == "started"
@@ -225,7 +216,7 @@ def test_start_role_runs_each_role_with_its_kind_and_the_runs_key(
 
 def test_a_run_without_remote_rollout_roles_gets_no_rollout_key(experiment, submit, django_capture_on_commit_callbacks):
     run = submit(experiment)
-    trainer, _ = _launch(run, django_capture_on_commit_callbacks)
+    trainer, _ = launch_captured(run, django_capture_on_commit_callbacks)
     env = supervisor._role_env(run, trainer, "tdr_x")
     assert "TANDEM_ROLLOUT_KEY" not in env and env["TANDEM_HOST_ADDRESS"] == trainer.host.address
     assert list(RunRole.objects.filter(run=run).values_list("name", flat=True)) == ["trainer-0"]
@@ -336,7 +327,7 @@ def test_a_preempted_run_is_launched_again_once_its_earlier_rollout_roles_ended(
 
     # Its rollout roles of the earlier admission still live: nothing is launched yet, and their
     # supervisors stop them.
-    assert _launch(run, django_capture_on_commit_callbacks) == (None, [])
+    assert launch_captured(run, django_capture_on_commit_callbacks) == (None, [])
     rollout0, rollout1 = roles["rollout-0"], roles["rollout-1"]
     rollout0.refresh_from_db()
     assert launch.superseded(rollout0, run) is True
@@ -347,7 +338,7 @@ def test_a_preempted_run_is_launched_again_once_its_earlier_rollout_roles_ended(
     (launch.run_dir(run.pk) / launch.ENDPOINT_FILE).write_text('{"ended": true}')
     with django_capture_on_commit_callbacks(execute=False) as sent_all:
         decision = launch.role_exited(rollout1.pk, 0, 143)
-    sent = _starts(sent_all)
+    sent = start_tasks(sent_all)
     assert decision == "superseded" and len(sent) == 3  # the last one out launches every role again
     # The earlier trainer's run-ended marker goes before the new roles start (they would leave at once).
     endpoint = launch.run_dir(run.pk) / launch.ENDPOINT_FILE
@@ -375,7 +366,7 @@ def test_a_restart_still_pending_when_the_run_was_admitted_again_is_never_starte
     assert _state(run) == RunState.ADMITTED
     with django_capture_on_commit_callbacks(execute=False) as sent:
         assert supervisor.start_role(rollout.pk, 1) == "superseded"
-    assert len(_starts(sent)) == 2  # it was the last live attempt: every role is launched again
+    assert len(start_tasks(sent)) == 2  # it was the last live attempt: every role is launched again
     assert {name: (r.state, r.attempt, r.pid) for name, r in _roles(run).items()} == {
         "trainer-0": (R.PENDING, 1, None),
         "rollout-0": (R.PENDING, 2, None),
@@ -386,7 +377,7 @@ def test_a_freshly_launched_rollout_role_is_not_taken_for_a_leftover(
     two_hosts, owner, django_capture_on_commit_callbacks
 ):
     run, _ = handler.submit_run(owner, two_hosts, remote_spec(2))
-    _launch(run, django_capture_on_commit_callbacks)
+    launch_captured(run, django_capture_on_commit_callbacks)
     roles = _roles(run)
     assert _state(run) == RunState.ADMITTED
     assert not any(launch.superseded(role, run) for role in roles.values())
