@@ -5,6 +5,7 @@
     python -m runtime eval --checkpoint DIR [--spec SPEC.yaml] [key.sub=value ...]
     python -m runtime validate SPEC.yaml [key.sub=value ...]
     python -m runtime rollout SPEC.yaml --index I [--endpoint FILE] [key.sub=value ...]   (a remote rollout instance)
+    python -m runtime trainer-ranks SPEC.yaml --ranks FIRST-LAST [key.sub=value ...]   (trainer ranks on another host)
     python -m runtime role trainer --spec FILE --workdir DIR [--resume auto|never]   (platform-managed runs)
     python -m runtime role rollout --spec FILE --workdir DIR                         (its remote rollout instances)
 
@@ -169,6 +170,24 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
+def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
+    from runtime.devices import resolve_device
+    from runtime.pipeline import thread_plan
+    from runtime.trainer_group import TrainerGroupError, parse_ranks, serve_ranks
+
+    spec = load_spec(args.spec, args.overrides)
+    try:
+        ranks = parse_ranks(args.ranks, spec.resources.trainer_devices, "--ranks")
+    except TrainerGroupError as exc:
+        raise UsageError(str(exc)) from None
+    resolve_device(spec.resources.device, len(ranks) - 1)
+    threads = thread_plan(spec)[0]
+    try:
+        return serve_ranks(spec, ranks, threads)
+    except TrainerGroupError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _cmd_role(args: argparse.Namespace) -> int:
     from runtime import role
 
@@ -218,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
     )
     p.set_defaults(func=_cmd_rollout)
+
+    p = sub.add_parser("trainer-ranks", help="data-parallel trainer ranks of a leader on another host")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (the leader's spec must match)")
+    p.add_argument("--ranks", required=True, help="the ranks this host runs, FIRST-LAST (1 or more)")
+    p.set_defaults(func=_cmd_trainer_ranks)
 
     p = sub.add_parser("validate", help="print the resolved spec, or the field errors")
     p.add_argument("spec")

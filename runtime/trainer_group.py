@@ -12,6 +12,13 @@ goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~run
 - ``load_state_dict`` (resume, rollback) and ``set_lr`` (live parameter change) are applied on every
   rank; ``state_dict``, ``publish_state`` and the rest are the leader's (identical on every rank).
 
+Ranks on other hosts. By default the leader starts every follower itself. With ``TANDEM_LOCAL_RANKS``
+(``first-last``, 0 included) it starts only those, and the others join from processes of their own —
+``python -m runtime trainer-ranks SPEC --ranks first-last`` on another host (:func:`serve_ranks`), one
+device each in rank order — at the rendezvous ``MASTER_ADDR`` / ``MASTER_PORT``, which must then be set
+alike everywhere. A remote rank that dies shows as a failed collective (after
+``trainer.collective_timeout_s`` at most), named by the error; its own process exits non-zero.
+
 Followers learn what to do from a command the leader broadcasts: ``("train", step, version)``
 followed by the scatter of shards, ``("state", trainer state)``, ``("lr", value)`` or ``("stop",)``.
 At start the leader sends its state, so every rank begins from the same weights and optimizer
@@ -37,6 +44,37 @@ from runtime.samples import Sample
 
 class TrainerGroupError(RuntimeError):
     """A trainer rank failed or cannot be reached."""
+
+
+LOCAL_RANKS_ENV = "TANDEM_LOCAL_RANKS"
+
+
+def parse_ranks(text: str, world: int, what: str) -> range:
+    """``first-last`` (or one rank) -> range, within ``[0, world)``; a clear error naming ``what`` otherwise."""
+    first, sep, last = text.strip().partition("-")
+    try:
+        ranks = range(int(first), int(last if sep else first) + 1)
+    except ValueError:
+        raise TrainerGroupError(f"{what}: expected first-last, e.g. 0-3, got {text!r}") from None
+    if not ranks or ranks.start < 0 or ranks.stop > world:
+        raise TrainerGroupError(f"{what}: {text!r} is not within the run's ranks 0-{world - 1}")
+    return ranks
+
+
+def local_ranks(world: int, environ: Any = os.environ) -> range:
+    """The ranks the leader's host runs (``TANDEM_LOCAL_RANKS``; default all). They include rank 0, and
+    ranks beyond them need a rendezvous every host reaches (``MASTER_ADDR`` / ``MASTER_PORT``)."""
+    text = environ.get(LOCAL_RANKS_ENV, "").strip()
+    if not text:
+        return range(world)
+    ranks = parse_ranks(text, world, LOCAL_RANKS_ENV)
+    if ranks.start != 0:
+        raise TrainerGroupError(f"{LOCAL_RANKS_ENV}: {text!r} must include rank 0, the leader")
+    if len(ranks) < world and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+        raise TrainerGroupError(
+            f"{LOCAL_RANKS_ENV}={text}: ranks on other hosts need MASTER_ADDR and MASTER_PORT (the rendezvous)"
+        )
+    return ranks
 
 
 def rendezvous() -> str:
@@ -83,8 +121,8 @@ class TrainerGroup:
 
     def __init__(self, trainer: Any, followers: list[Any]):
         self.trainer = trainer
-        self.followers = followers
-        self.world = len(followers) + 1
+        self.followers = followers  # the ones this process started (ranks on other hosts are not here)
+        self.world = dist.get_world_size()
         self._send(("state", trainer.state_dict()))  # every rank starts from the leader's state
 
     def __getattr__(self, name: str) -> Any:  # everything else is the leader's own trainer
@@ -155,7 +193,7 @@ class TrainerGroup:
                 _broadcast(("stop",))
         except RuntimeError:
             pass
-        for proc in self.followers:
+        for proc in self.followers:  # the local ones; remote ranks exit on the stop by themselves
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
@@ -170,17 +208,7 @@ def start_group(spec: Any, threads: int) -> tuple[Any, list[Any]]:
 
     world = spec.resources.trainer_devices
     init = rendezvous()
-    mp = torch.multiprocessing.get_context("spawn")
-    followers = []
-    for rank in range(1, world):
-        proc = mp.Process(
-            target=follower_process,
-            args=(rank, world, init, spec.resolved(), threads),
-            name=f"trainer-rank-{rank}",
-            daemon=True,
-        )
-        proc.start()
-        followers.append(proc)
+    followers = spawn_followers(spec, local_ranks(world)[1:], 0, init, threads)
     timeout = timedelta(seconds=spec.trainer.collective_timeout_s)
     try:
         dist.init_process_group(
@@ -192,7 +220,43 @@ def start_group(spec: Any, threads: int) -> tuple[Any, list[Any]]:
     return dist.group.WORLD, followers
 
 
-def follower_process(rank: int, world: int, init: str, spec_data: dict, threads: int) -> None:
+def spawn_followers(spec: Any, ranks: range, first_device: int, init: str, threads: int) -> list[Any]:
+    """Start follower processes for ``ranks``; rank r uses device index ``r - ranks.start + first_device``."""
+    mp = torch.multiprocessing.get_context("spawn")
+    followers = []
+    for rank in ranks:
+        proc = mp.Process(
+            target=follower_process,
+            args=(
+                rank,
+                spec.resources.trainer_devices,
+                init,
+                spec.resolved(),
+                threads,
+                rank - ranks.start + first_device,
+            ),
+            name=f"trainer-rank-{rank}",
+            daemon=True,
+        )
+        proc.start()
+        followers.append(proc)
+    return followers
+
+
+def serve_ranks(spec: Any, ranks: range, threads: int) -> int:
+    """``python -m runtime trainer-ranks``: run trainer ranks ``ranks`` (> 0) of a leader on another host,
+    on this host's devices 0.. in rank order; returns 0 when the leader stopped them all, 1 otherwise."""
+    if ranks.start == 0:
+        raise TrainerGroupError("--ranks: rank 0 is the leader (python -m runtime run); give ranks from 1")
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise TrainerGroupError("MASTER_ADDR and MASTER_PORT: required, the leader's rendezvous")
+    followers = spawn_followers(spec, ranks, 0, rendezvous(), threads)
+    for proc in followers:
+        proc.join()
+    return 0 if all(proc.exitcode == 0 for proc in followers) else 1
+
+
+def follower_process(rank: int, world: int, init: str, spec_data: dict, threads: int, device_index: int) -> None:
     """Entry point of trainer rank ``rank`` > 0: build the models, then follow the leader's commands."""
     from runtime.devices import dist_backend, manual_seed_all, resolve_device, set_threads
     from runtime.roles import build_models
@@ -203,7 +267,7 @@ def follower_process(rank: int, world: int, init: str, spec_data: dict, threads:
         set_threads(threads)
         spec = validate_spec(spec_data)
         manual_seed_all(spec.seed)
-        device = resolve_device(spec.resources.device, rank)
+        device = resolve_device(spec.resources.device, device_index)
         if device.type != "cpu":
             getattr(torch, device.type).set_device(device)  # the collectives' tensors live on it
         timeout = timedelta(seconds=spec.trainer.collective_timeout_s)

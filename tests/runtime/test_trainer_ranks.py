@@ -113,3 +113,58 @@ def test_a_dead_rank_fails_the_run_naming_it(tmp_path):
     with pytest.raises(TrainerGroupError, match="trainer rank 1 exited with status -9"):
         run(spec, stop=stop)
     assert killed and followers() == []
+
+
+@pytest.mark.slow
+def test_ranks_in_a_process_of_their_own_train_like_ranks_the_leader_started(tmp_path, monkeypatch):
+    """Rank 1 served by `python -m runtime trainer-ranks` (as on another host), meeting the leader at
+    MASTER_ADDR / MASTER_PORT: the same weights, bit for bit, as when the leader starts rank 1 itself."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    over = {"resources__trainer_devices": 2, "checkpoint__interval": 2}
+    local = run(tiny_spec(tmp_path, "local", BASE, **over))
+    spec = tiny_spec(tmp_path, "split", BASE, **over)
+    spec_file = tmp_path / "split.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.resolved()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    for key, value in {**env, "TANDEM_LOCAL_RANKS": "0"}.items():
+        monkeypatch.setenv(key, value)
+    root = Path(__file__).resolve().parents[2]
+    other_host = subprocess.Popen(
+        [sys.executable, "-m", "runtime", "trainer-ranks", str(spec_file), "--ranks", "1-1"],
+        cwd=root,
+        env={**os.environ, **env},
+    )
+    try:
+        split = run(spec)
+        assert other_host.wait(timeout=60) == 0  # stopped by the leader at the end
+    finally:
+        other_host.kill()
+    assert followers() == []  # the leader started none itself
+    a, b = policy_of(local), policy_of(split)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_rank_lists_are_checked_with_the_variable_named(monkeypatch):
+    from runtime.trainer_group import local_ranks, parse_ranks
+
+    assert parse_ranks("2-3", 4, "--ranks") == range(2, 4) and parse_ranks("1", 4, "--ranks") == range(1, 2)
+    with pytest.raises(TrainerGroupError, match=r"--ranks: '3-4' is not within the run's ranks 0-3"):
+        parse_ranks("3-4", 4, "--ranks")
+    with pytest.raises(TrainerGroupError, match="--ranks: expected first-last"):
+        parse_ranks("one", 4, "--ranks")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert local_ranks(4, {}) == range(4)
+    with pytest.raises(TrainerGroupError, match="must include rank 0"):
+        local_ranks(4, {"TANDEM_LOCAL_RANKS": "1-3"})
+    with pytest.raises(TrainerGroupError, match="need MASTER_ADDR and MASTER_PORT"):
+        local_ranks(4, {"TANDEM_LOCAL_RANKS": "0-1"})
+    assert local_ranks(4, {"TANDEM_LOCAL_RANKS": "0-1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == range(2)
