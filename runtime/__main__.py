@@ -54,10 +54,11 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     from runtime.algos import get_algorithm
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
+    from runtime.roles import trainer_devices_here
 
     resolve_device(spec.resources.device, 0)
-    if spec.resources.device != "cpu":
-        n = spec.resources.trainer_devices + spec.resources.rollout_devices + spec.resources.eval_devices
+    if spec.resources.device != "cpu":  # this host's devices: its trainer ranks, rollout devices, evaluator
+        n = trainer_devices_here(spec) + spec.resources.rollout_devices + spec.resources.eval_devices
         resolve_device(spec.resources.device, n - 1)
     if spec.model.path:
         check_model_path(spec.model.path)

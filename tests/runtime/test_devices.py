@@ -114,3 +114,20 @@ def test_each_process_kind_has_its_own_device_index():
     assert eval_device_index(spec) == 5
     assert eval_device_index(load_spec({"pipeline": {"mode": "async"}, "resources": accel})) is None  # shares
     assert eval_device_index(load_spec({})) is None  # CPU, no evaluator devices: the trainer's
+
+
+def test_with_trainer_ranks_on_other_hosts_this_hosts_devices_follow_its_own_ranks(monkeypatch):
+    from runtime.roles import eval_device_index, rollout_device_index
+    from runtime.spec import load_spec
+
+    spec = load_spec(
+        {
+            "pipeline": {"mode": "async"},
+            "resources": {"device": "cuda", "trainer_devices": 4, "rollout_devices": 2, "eval_devices": 1},
+        }
+    )
+    for key, value in {"TANDEM_LOCAL_RANKS": "0-1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    # ranks 0-1 here (devices 0-1), ranks 2-3 on another host: rollout devices 2-3, the evaluator 4
+    assert [rollout_device_index(spec, rank) for rank in range(3)] == [2, 3, 2]
+    assert eval_device_index(spec) == 4
