@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from jobs import commands, series_store, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
+from jobs.launch import TRAINER  # the one role whose heartbeats take commands
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
 
@@ -38,7 +39,6 @@ MAX_ERRORS = 20  # reported per bad batch; the rest is noise
 MAX_STEP = 2**62  # fits BIGINT with room; no real run gets near it
 MAX_TIME = 32_503_680_000  # year 3000 in Unix seconds: later "times" are garbage, and overflow datetime
 INT_RANGE = (-(2**63), 2**63 - 1)  # integers PostgreSQL can compare as numbers without surprises
-COMMAND_ROLE = "trainer-0"  # jobs.launch.TRAINER: the one role whose heartbeats take commands
 
 
 class WrongRun(Exception):
@@ -449,7 +449,7 @@ def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
                 _mark_running(token.run_id)
         # Only the trainer applies commands: delivering one to another role (a remote rollout instance,
         # which ignores them) would mark it delivered, and the trainer would not see it until redelivery.
-        delivered = commands.deliver(token.run_id) if role == COMMAND_ROLE else []
+        delivered = commands.deliver(token.run_id) if role == TRAINER else []
     return {"commands": delivered}
 
 

@@ -440,10 +440,6 @@ def test_a_rollout_roles_heartbeat_never_takes_the_trainers_commands(running, ow
     assert Command.objects.get(pk=command.pk).state == "delivered"
 
 
-def test_the_command_role_is_the_trainer():
-    assert ingest.COMMAND_ROLE == launch.TRAINER
-
-
 # --- end to end: a real worker per host, real runtime processes -----------------------------------------
 
 RUN_S = 180.0  # ceiling for the whole run on a loaded machine
