@@ -46,6 +46,7 @@ from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform import locks
 from rlplatform.celery import app
 from rlplatform.models import Host
+from runtime.rollout_link import ENDPOINT_FILE  # where the trainer tells rollout roles its address
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ START_TASK = "jobs.tasks.start_role"
 EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
 PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
 SPOOL_REPLAY_BATCH = 500  # records per stored batch when the platform replays an ended role's spool
-ENDPOINT_FILE = "rollout-endpoint.json"  # runtime.rollout_link: where the trainer tells rollout roles its address
 
 
 def run_dir(run_id: int) -> Path:

@@ -40,9 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is only needed by the functions that (de)serialise weights: the platform
+    import torch  # imports this module for its file names without loading torch
 
 ENDPOINT_FILE = "rollout-endpoint.json"
 KEY_ENV = "TANDEM_ROLLOUT_KEY"
