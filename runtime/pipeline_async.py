@@ -276,6 +276,7 @@ class AsyncMode:
         self.evaluator: BackgroundEvaluator | None = None
         self.mp = torch.multiprocessing.get_context("spawn")
         self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
+        ctx.weights.on_wait = self.kill_if_hung  # a publish waiting on a frozen reader must not wait for ever
 
     # ---- rollout processes ----
     def spawn(self, rank: int) -> _Slot:
@@ -387,13 +388,8 @@ class AsyncMode:
         if news:
             self.ctx.publish_status(**self.rollout_status())
         now = time.monotonic()
-        hang_s = self.ctx.spec.rollout.hang_timeout_s
         for slot in list(self.st.slots):
-            silent = slot.ready and now - slot.last_seen > hang_s
-            if silent and not slot.handled and slot.proc.exitcode is None:
-                slot.hung = True  # no message, not even a heartbeat: stuck in a device call, a deadlock
-                slot.proc.kill()
-                slot.proc.join(timeout=5)
+            self._kill_if_silent(slot, now)
             if slot.handled or slot.proc.exitcode is None:
                 continue
             if slot.dead_since is None:
@@ -402,6 +398,26 @@ class AsyncMode:
             if not slot.eof and now - slot.dead_since < 5.0:
                 continue
             self.replace(slot)
+
+    def _kill_if_silent(self, slot: _Slot, now: float) -> bool:
+        """Kill an instance that sent nothing, not even a heartbeat, for rollout.hang_timeout_s
+        (stuck in a device call, deadlocked, frozen); :meth:`supervise` then replaces it."""
+        silent = slot.ready and now - slot.last_seen > self.ctx.spec.rollout.hang_timeout_s
+        if not silent or slot.handled or slot.proc.exitcode is not None:
+            return False
+        slot.hung = True
+        slot.proc.kill()
+        slot.proc.join(timeout=5)
+        return True
+
+    def kill_if_hung(self, pid: int) -> None:
+        """A publish waits on the weight buffer's lock, held by reader ``pid``: when that instance
+        is silent past the hang timeout, kill it and free the lock it holds (the receiver thread and
+        :meth:`supervise` cannot: the publishing thread is the one that runs supervise)."""
+        now = time.monotonic()
+        for slot in list(self.st.slots):
+            if not slot.remote and slot.proc.pid == pid and self._kill_if_silent(slot, now):
+                self.ctx.weights.reader_gone(pid)
 
     def replace(self, slot: _Slot) -> None:
         ctx, rank = self.ctx, slot.rank

@@ -69,6 +69,9 @@ class WeightService:
         self._recover = threading.Lock()  # reader_gone (receiver thread) vs the publishing thread
         # called with (version, host copy of the weights) after each publish / initialize: remote readers
         self.on_publish: Callable[[int, State], None] | None = None
+        # called with the pid of a live reader holding the buffer's lock, each 0.1 s a publish waits on it:
+        # the readers' owner may find it hung (frozen while copying) and kill it; reader_gone then frees the lock
+        self.on_wait: Callable[[int], None] | None = None
 
     @property
     def version(self) -> int:
@@ -146,8 +149,11 @@ class WeightService:
         """Take the buffer's lock; one held with no holder recorded for STUCK_S is released first."""
         unowned_since: float | None = None
         while not shared.lock.acquire(timeout=0.1):
-            if int(shared.meta[HOLDER]):  # a live reader copying (a dead one is released by reader_gone)
+            holder = int(shared.meta[HOLDER])
+            if holder:  # a live reader copying (a dead one is released by reader_gone)
                 unowned_since = None
+                if self.on_wait is not None:
+                    self.on_wait(holder)
                 continue
             now = time.monotonic()
             unowned_since = unowned_since or now

@@ -104,18 +104,30 @@ def test_rewards_from_a_failing_server_drop_whole_groups_and_lose_nothing(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_hung_instance_is_killed_and_replaced_and_nothing_is_lost(tmp_path):
+@pytest.mark.parametrize("copying", [False, True], ids=["generating", "copying-weights"])
+def test_a_hung_instance_is_killed_and_replaced_and_nothing_is_lost(tmp_path, monkeypatch, copying):
+    """copying: it froze while copying published weights, holding the shared buffer's lock, so the
+    trainer's next publish waits on it — and must find it out from there (the publishing thread is
+    the one that supervises the instances)."""
+    from runtime.weights import HOLDER, WeightService
+
     # one instance: the run cannot go on until the frozen one is found out and replaced
     # 5 s: a healthy instance beats every second, with room for a loaded machine's hiccups
     spec = tiny_spec(tmp_path, "hung", BASE, rollout__hang_timeout_s=5.0, resources__rollout_workers=1)
     control = Control()
     stopped = []
+    buffers = []
+    shared_handle = WeightService.shared_handle
+    monkeypatch.setattr(WeightService, "shared_handle", lambda *a: buffers.append(shared_handle(*a)) or buffers[-1])
 
     def stop(step, metrics):
         if step == 2:  # freeze it: alive, holding work, silent
             pid = control.status()["rollout_pids"][0]
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
+            if copying:  # what a reader frozen inside WeightSubscriber.switch leaves behind
+                assert buffers[-1].lock.acquire(timeout=30)
+                buffers[-1].meta[HOLDER] = pid
         return False
 
     result = run(spec, control=control, stop=stop)

@@ -208,6 +208,35 @@ def test_a_rollout_process_killed_while_paused_is_replaced_before_resume(tmp_pat
     assert set(everything) == set(range(max(everything) + 1))
 
 
+def test_a_publish_waiting_on_a_frozen_reader_asks_its_owner_to_deal_with_it():
+    """A reader frozen while copying (SIGSTOP, a stuck device call) is alive and recorded as the holder:
+    nothing frees its lock by itself. The publish hands its pid to ``on_wait`` until the owner kills it."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    model = torch.nn.Linear(3, 2)
+    svc = WeightService(keep=0)
+    shared = svc.shared_handle(model.state_dict(), ctx)
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold_the_lock, args=(shared, ready), daemon=True)
+    proc.start()
+    assert ready.wait(60)
+    os.kill(proc.pid, signal.SIGSTOP)
+    asked: list[int] = []
+
+    def on_wait(pid):
+        asked.append(pid)
+        if len(asked) == 3:  # the owner's verdict: hung
+            os.kill(pid, signal.SIGKILL)
+            proc.join()
+            svc.reader_gone(pid)
+
+    svc.on_wait = on_wait
+    done = threading.Thread(target=svc.publish, args=({"weight": torch.ones(2, 3), "bias": torch.ones(2)},))
+    done.start()
+    done.join(timeout=60)
+    assert not done.is_alive()
+    assert asked == [proc.pid] * 3 and svc.version == 1 and torch.equal(shared.tensors["bias"], torch.ones(2))
+
+
 def _take_the_lock_silently(shared, ready):
     """Dies (when killed) in the instant between taking the lock and recording itself as its holder."""
     import time
