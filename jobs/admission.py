@@ -127,7 +127,7 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
             "reason",
             "queue_position",
             "excluded_hosts",
-            "resolved_spec__resources__remote_rollout_workers",
+            "resolved_spec__resources",
         )
     )
     rows = list(queued)
@@ -145,9 +145,9 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
     changed: list[tuple[int, str, int]] = []
     held_back_by: int | None = None
     position = 0
-    for run_id, quota_id, need, workers, old_reason, old_position, excluded, remote in rows:
-        # a run with remote rollout roles keeps its trainer's share on one host; the roles go anywhere
-        home = need - int(remote) if remote else 0
+    for run_id, quota_id, need, workers, old_reason, old_position, excluded, resources in rows:
+        # its trainer's ranks on one host, then one switch; its remote rollout roles anywhere
+        shape = placement.shape_of(resources, need)
         quota = quotas.get(quota_id)
         if quota is None:
             reason = "the experiment's quota belongs to another resource group"
@@ -160,12 +160,12 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
             reason = f"waiting behind run {held_back_by} for free {group.kind} devices"
         elif reason is None:
             allowed = {h: d for h, d in free_by_host.items() if h not in excluded} if excluded else free_by_host
-            chosen = placement.place_with_home(need, home, allowed, switch_of)
+            chosen = placement.place_run(shape, allowed, switch_of)
             if chosen is None:
                 reason = f"no free {group.kind} devices in group {group.name} (need {need}, free {free_count})"
                 if excluded:
                     reason += f"; not on {_host_names(excluded)}, where it kept failing"
-                if not excluded or placement.place_with_home(need, home, free_by_host, switch_of) is None:
+                if not excluded or placement.place_run(shape, free_by_host, switch_of) is None:
                     # (a run kept off a host only by its exclusion must not hold the queue behind it)
                     held_back_by = held_back_by or run_id
             else:

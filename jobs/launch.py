@@ -9,13 +9,19 @@
 
 A run's roles: ``trainer-0`` runs the pipeline (trainer, sample queue, weight service,
 evaluator, and its own rollout processes on its host: a dead one is restarted by the runtime itself,
-within ``resources.rollout_restarts``). A spec with ``resources.remote_rollout_workers: N`` adds the
-roles ``rollout-0`` .. ``rollout-<N-1>``: rollout instances that run as processes of their own, one
-device each, on any host, and connect to the trainer. The trainer's share of the devices lies on one
-host (a run that cannot be placed that way fails with the reason instead of starting half-way).
+within ``resources.rollout_restarts``). Its data-parallel trainer ranks (``resources.trainer_devices``)
+lie on its host when one holds the trainer's share, else over several hosts — within one switch when
+one holds them, else the fewest hosts (jobs.placement.spread) — and ``trainer-1`` .. ``trainer-<H-1>``
+run the ranks on the further hosts (``python -m runtime role trainer-ranks``), meeting ``trainer-0`` at its
+host's rendezvous. A spec with ``resources.remote_rollout_workers: N`` adds the roles ``rollout-0`` ..
+``rollout-<N-1>``: rollout instances that run as processes of their own, one device each, on any host,
+and connect to the trainer.
 
-The run's state follows ``trainer-0``. A rollout role that exits 0 is done (the trainer ended the
-run); one that fails is restarted on its host while the run goes on, within ``rollout_restarts``.
+The run's state follows ``trainer-0``. The trainer roles live and die together: when one fails, the
+others are stopped (``stop_requested``), and once all have exited they are started again together,
+resuming from the newest checkpoint (within ``resources.max_restarts``). A further trainer role that
+exits 0 is done (``trainer-0`` ended the run). A rollout role that exits 0 is done too (the trainer
+released it); one that fails is restarted on its host while the run goes on, within ``rollout_restarts``.
 Every admission queues all the roles together; an attempt still live from an earlier admission
 (the run was requeued and admitted again before it ended) is stopped by its host's supervisor, and
 the last one's end launches the new admission's roles.
@@ -51,6 +57,7 @@ from runtime.rollout_link import ENDPOINT_FILE  # where the trainer tells rollou
 logger = logging.getLogger(__name__)
 
 TRAINER = "trainer-0"
+TRAINER_PREFIX = "trainer-"  # + index: trainer-0 (the leader), then the trainer ranks on further hosts
 ROLLOUT_PREFIX = "rollout-"  # + index: the remote rollout roles
 LAUNCH_TASK = "jobs.tasks.launch_runs"
 START_TASK = "jobs.tasks.start_role"
@@ -73,17 +80,27 @@ def is_rollout(name: str) -> bool:
     return name.startswith(ROLLOUT_PREFIX)
 
 
-def _resources(run: Run) -> dict[str, Any]:
+def is_trainer(name: str) -> bool:
+    """``trainer-0`` or a further trainer role (ranks on another host): they restart together."""
+    return name.startswith(TRAINER_PREFIX)
+
+
+def resources_of(run: Run) -> dict[str, Any]:
+    """The ``resources`` section of the run's resolved spec."""
     return run.resolved_spec.get("resources", {}) or {}
 
 
 def remote_rollout_workers(run: Run) -> int:
-    return int(_resources(run).get("remote_rollout_workers", 0) or 0)
+    return int(resources_of(run).get("remote_rollout_workers", 0) or 0)
 
 
 def role_names(run: Run) -> list[str]:
-    """Every role an admission of ``run`` launches: the trainer, then its remote rollout instances."""
-    return [TRAINER, *(f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run)))]
+    """Every role the current admission of ``run`` launches: its trainer roles, then its remote rollout
+    instances (how many trainer roles: how its allocated devices lie, see :func:`placed_roles`)."""
+    placed = placed_roles(run)
+    if isinstance(placed, str):
+        return [TRAINER, *(f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run)))]
+    return list(placed)
 
 
 def read_tail(path: Path, size: int = 8192) -> str:
@@ -135,6 +152,7 @@ def _queue_attempt(role: RunRole, message: str = "") -> None:
     """Make ``role`` (its attempt number already set) a fresh pending attempt, its process fields cleared;
     save it and send its start task after commit."""
     role.state, role.queued_at, role.claimed_by, role.message = R.PENDING, timezone.now(), "", message[:2000]
+    role.stop_requested = False
     role.pid = role.exit_code = role.launched_at = role.exited_at = role.supervised_at = None
     role.save()
     _request_start(role)
@@ -180,27 +198,47 @@ def _group_id(run_id: int) -> int | None:
 
 
 def _place_roles(run: Run, devices: list[tuple[int, int]]) -> dict[str, tuple[int, list[int]]] | str:
-    """Role name -> (host id, device indices) for the run's allocated ``(host id, index)`` devices, or the
-    reason they cannot be divided among its roles."""
-    workers = remote_rollout_workers(run)
+    """Role name -> (host id, device indices) for the run's allocated ``(host id, index)`` devices, in launch
+    order (``trainer-0`` first), or the reason they cannot be divided among its roles."""
     by_host: dict[int, list[int]] = {}
     for host_id, index in devices:
         by_host.setdefault(host_id, []).append(index)
-    if workers == 0:  # the trainer alone, on every device: they must lie on one host
-        if len(by_host) != 1:
-            return f"its {len(devices)} devices lie on {len(by_host)} hosts; a run is launched on one host only"
-        ((host_id, indices),) = by_host.items()
-        return {TRAINER: (host_id, indices)}
-    resources = _resources(run)
-    share = sum(int(resources.get(key, 0) or 0) for key in ("trainer_devices", "rollout_devices", "eval_devices"))
-    split = placement.split_roles(by_host, share, workers)
+    labels = Host.objects.filter(pk__in=by_host).values_list("pk", "labels")
+    switch_of = {
+        pk: (str(lab["switch"]) if isinstance(lab, dict) and lab.get("switch") else None) for pk, lab in labels
+    }
+    split = placement.split_roles(by_host, placement.shape_of(resources_of(run), run.devices_requested), switch_of)
     if isinstance(split, str):
         return split
-    home, trainer_indices, rollout_devices = split
-    placed = {TRAINER: (home, trainer_indices)}
+    trainer, rollout_devices = split
+    placed = {f"{TRAINER_PREFIX}{i}": (host_id, indices) for i, (host_id, indices) in enumerate(trainer)}
     for i, (host_id, index) in enumerate(rollout_devices):
         placed[f"{ROLLOUT_PREFIX}{i}"] = (host_id, [index])
     return placed
+
+
+def placed_roles(run: Run) -> dict[str, tuple[int, list[int]]] | str:
+    """:func:`_place_roles` over the run's active allocations: the same answer for the whole admission."""
+    devices = list(
+        Allocation.objects.active()
+        .filter(run=run)
+        .order_by("device__host_id", "device__index")
+        .values_list("device__host_id", "device__index")
+    )
+    return _place_roles(run, devices)
+
+
+def trainer_ranks(placed: dict[str, tuple[int, list[int]]], resources: dict[str, Any]) -> dict[str, range]:
+    """The data-parallel ranks each trainer role runs: ``trainer-0`` first, on its first devices (its
+    rollout and evaluator devices come after them), then each further trainer role on all of its own."""
+    extras = int(resources.get("rollout_devices", 0) or 0) + int(resources.get("eval_devices", 0) or 0)
+    ranks, first = {}, 0
+    for name, (_host, indices) in placed.items():
+        if is_trainer(name):
+            count = len(indices) - (extras if name == TRAINER else 0)
+            ranks[name] = range(first, first + count)
+            first += count
+    return ranks
 
 
 def launch_run(run_id: int) -> RunRole | None:
@@ -222,13 +260,7 @@ def launch_run(run_id: int) -> RunRole | None:
         existing = {role.name: role for role in RunRole.objects.select_for_update().filter(run=run)}
         if any(role.state != R.EXITED for role in existing.values()):
             return None
-        devices = list(
-            Allocation.objects.active()
-            .filter(run=run)
-            .order_by("device__host_id", "device__index")
-            .values_list("device__host_id", "device__index")
-        )
-        placed = _place_roles(run, devices)
+        placed = placed_roles(run)
         if isinstance(placed, str):
             handler.transition(run, RunState.FAILED, placed)
             return None
@@ -236,7 +268,7 @@ def launch_run(run_id: int) -> RunRole | None:
         if remote_rollout_workers(run):
             _forget_endpoint(run.pk)
         trainer = None
-        for name in role_names(run):
+        for name in placed:
             role = existing.get(name)
             if role is None:
                 role = RunRole(run=run, name=name, workdir=str(run_dir(run.pk)), attempt=0)
@@ -316,8 +348,9 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
     ``why`` then says what the supervisor saw. Returns what was decided (for logs and tests):
     ``ignored`` (already handled), ``ended`` (the run was no longer active), ``superseded`` (an
     attempt of an earlier admission: when it was the last, the new admission's roles are launched),
-    ``completed``, ``preempted``, ``cancelled``, ``failed``, ``requeued``, ``restarting``, or ``done``
-    (a rollout role that the trainer released).
+    ``completed``, ``preempted``, ``cancelled``, ``failed``, ``requeued``, ``restarting``, ``done``
+    (a rollout or further trainer role that trainer-0 released), ``stopping`` (a trainer role failed; the
+    others are asked to stop) or ``stopped`` (one of those, while others still live).
     """
     # Idempotent like any replay, and file reading: before the group lock, not under it.
     replay_spool(role_id, attempt)
@@ -336,6 +369,7 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
             {"role": role.name, "attempt": attempt, "exit_code": exit_code, "message": role.message},
         )
         decision = _decide(role, run, exit_code, log_tail, error, why)
+        role.refresh_from_db()  # a restart may have queued its next attempt through another instance of the row
         stream_role(role)
         run.refresh_from_db()
         if RunState(run.state) not in ACTIVE_STATES and run.state != RunState.QUEUED:
@@ -387,7 +421,7 @@ def superseded(role: RunRole, run: Run) -> bool:
 
 def _restart_budget(role: RunRole, run: Run) -> int:
     key = "rollout_restarts" if is_rollout(role.name) else "max_restarts"
-    return int(_resources(run).get(key, 3))
+    return int(resources_of(run).get(key, 3))
 
 
 def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error: str, why: str) -> str:
@@ -397,6 +431,11 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return "superseded"
     if is_rollout(role.name):
         return _decide_rollout(role, run, exit_code, error, why)
+    if role.stop_requested:  # stopped because another trainer role failed: they restart together
+        return _trainer_stopped(run)
+    if exit_code == 0 and role.name != TRAINER:  # trainer-0 ended the run and released its ranks here
+        record_event(run.pk, "role_done", {"role": role.name, "attempt": role.attempt})
+        return "done"
     if exit_code == 0:
         outcome = _last_json_line(log_tail).get("outcome", "completed")
         # A short run can end before its first heartbeat moved it to RUNNING: walk it there first.
@@ -418,12 +457,14 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return "failed"
     what = error or why or f"exit code {exit_code}"
     budget = _restart_budget(role, run)
-    if role.restarts >= budget:
-        _move(run, RunState.FAILED, f"{role.name} failed after {role.restarts} restarts: {what}")
+    spent = max([role.restarts, *(other.restarts for other in _trainer_roles(run, exclude=role))])
+    if spent >= budget:
+        _move(run, RunState.FAILED, f"{role.name} failed after {spent} restarts: {what}")
         return "failed"
     failures = dict(role.host_failures)
     failures[str(role.host_id)] = failures.get(str(role.host_id), 0) + 1
     role.host_failures = failures
+    role.save(update_fields=["host_failures"])
     if failures[str(role.host_id)] >= settings.TANDEM_HOST_FAILURE_LIMIT:
         # It keeps failing here: try other devices, from the last checkpoint (shared run directory).
         role.restarts += 1
@@ -434,7 +475,43 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         _move(run, RunState.QUEUED, f"{reason}; requeued for other hosts")
         record_event(run.pk, "host_excluded", {"role": role.name, "host": role.host.name, "reason": what})
         return "requeued"
-    return _restart(role, run, what)
+    live = [other for other in _trainer_roles(run, exclude=role) if other.state != R.EXITED]
+    if not live:
+        return _restart_trainers(run, f"{role.name}: {what}" if role.name != TRAINER else what)
+    for other in live:  # their supervisors stop them; the last one's end restarts them all
+        other.stop_requested = True
+        other.save(update_fields=["stop_requested"])
+    record_event(
+        run.pk, "trainer_group_stopping", {"role": role.name, "stopping": [o.name for o in live], "reason": what}
+    )
+    return "stopping"
+
+
+def _trainer_roles(run: Run, exclude: RunRole | None = None) -> list[RunRole]:
+    """The rows of the current admission's trainer roles (locked), but ``exclude``."""
+    names = [name for name in role_names(run) if is_trainer(name)]
+    rows = RunRole.objects.select_for_update(of=("self",)).select_related("host").filter(run=run, name__in=names)
+    return [row for row in rows if exclude is None or row.pk != exclude.pk]
+
+
+def _trainer_stopped(run: Run) -> str:
+    """A trainer role stopped because another one failed has exited: when it was the last one live, start
+    them all again (the failed one's reason is the restart's)."""
+    group = _trainer_roles(run)
+    if any(role.state != R.EXITED for role in group):
+        return "stopped"
+    failed = [role for role in group if not role.stop_requested]
+    why = f"{failed[0].name}: {failed[0].message}" if failed else "a trainer role failed"
+    return _restart_trainers(run, why.removeprefix(f"{TRAINER}: "))
+
+
+def _restart_trainers(run: Run, what: str) -> str:
+    """Queue the next attempt of every trainer role of the run, together (trainer-0 resumes from the newest
+    checkpoint and the further ranks join it); each restart counts against ``max_restarts``."""
+    for role in sorted(_trainer_roles(run), key=lambda r: int(r.name.removeprefix(TRAINER_PREFIX))):
+        _restart(role, run, what)
+        stream_role(role)
+    return "restarting"
 
 
 def _restart(role: RunRole, run: Run, what: str) -> str:

@@ -148,7 +148,8 @@ class RoleState(models.TextChoices):
 
 
 class RunRole(models.Model):
-    """One role process of a run (today: ``trainer-0``, which runs the whole pipeline) on one host.
+    """One role process of a run on one host: ``trainer-0`` (the pipeline, and the trainer ranks on its host),
+    ``trainer-<i>`` (trainer ranks on a further host), ``rollout-<i>`` (a remote rollout instance).
 
     ``attempt`` counts launches: a restart bumps it, and the runtime reports under it (its run token is
     minted per attempt). Change it only through ``jobs.launch`` and ``jobs.supervisor``.
@@ -171,6 +172,9 @@ class RunRole(models.Model):
     launched_at = models.DateTimeField(null=True, blank=True)
     exited_at = models.DateTimeField(null=True, blank=True)
     supervised_at = models.DateTimeField(null=True, blank=True, help_text="Last time its supervisor saw it")
+    stop_requested = models.BooleanField(
+        default=False, help_text="Asked to stop: another trainer role of its run failed, and they restart together"
+    )
 
     class Meta:
         ordering = ["run_id", "name"]

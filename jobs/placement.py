@@ -7,6 +7,8 @@ database. Ties are broken by host order (pk), so placement is deterministic.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 
 def place(
@@ -94,6 +96,85 @@ def place_with_home(
     return None if others is None else at_home + others
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What placing one run asks for: ``need`` devices, ``home`` of them the trainer's (its data-parallel
+    ranks plus the leader's own rollout and evaluator devices; the rest are remote rollout roles, one
+    device each, anywhere), and at least ``lead`` of those on the leader's host (rank 0 + its rollout
+    and evaluator devices: they are processes of the leader)."""
+
+    need: int
+    home: int
+    lead: int
+
+
+def shape_of(resources: Mapping[str, Any] | None, need: int | None = None) -> Shape:
+    """The :class:`Shape` of a run from its resolved spec's ``resources`` section; ``need``: the devices
+    the run was admitted for (its ``devices_requested``), which wins over the spec's count."""
+    r = resources or {}
+
+    def count(key: str) -> int:
+        return int(r.get(key, 0) or 0)
+
+    extras = count("rollout_devices") + count("eval_devices")
+    remote = count("remote_rollout_workers")
+    home = max(1, count("trainer_devices")) + extras if need is None else max(0, need - remote)
+    return Shape(home + remote, home, max(1, min(extras + 1, home)))
+
+
+def place_run(
+    shape: Shape, free_by_host: Mapping[int, Sequence[int]], switch_of: Mapping[int, str | None]
+) -> list[int] | None:
+    """Device ids for a run of ``shape`` (trainer's share first when it spans hosts), or None.
+
+    1. The whole share on one host when one holds it (:func:`place_with_home`).
+    2. Otherwise its ranks spread (:func:`spread`: one switch, then fewest hosts), the leader's host
+       holding ``lead``; then the remote rollout roles by :func:`place` among the devices left.
+    """
+    chosen = place_with_home(shape.need, shape.home, free_by_host, switch_of)
+    if chosen is not None or shape.home <= 1:
+        return chosen
+    parts = spread(shape.home, shape.lead, free_by_host, switch_of)
+    if parts is None:
+        return None
+    trainer = [d for _host, devices in parts for d in devices]
+    taken = set(trainer)
+    rest = {h: [d for d in devices if d not in taken] for h, devices in free_by_host.items()}
+    others = place(shape.need - shape.home, rest, switch_of)
+    return None if others is None else trainer + others
+
+
+def spread(
+    home: int, lead: int, free_by_host: Mapping[int, Sequence[int]], switch_of: Mapping[int, str | None]
+) -> list[tuple[int, list[int]]] | None:
+    """A trainer share of ``home`` devices over several hosts: ``[(host, devices)]``, the leader's first.
+
+    Within the switch with the fewest free devices that holds the share, else anywhere; fullest hosts
+    first (fewest hosts), so the leader's host is the fullest, and it must hold ``lead`` (else None).
+    """
+    hosts = sorted(h for h, devices in free_by_host.items() if devices)
+    by_switch: dict[str, list[int]] = {}
+    for h in hosts:
+        switch = switch_of.get(h)
+        if switch is not None:
+            by_switch.setdefault(switch, []).append(h)
+    total = {switch: sum(len(free_by_host[h]) for h in members) for switch, members in by_switch.items()}
+    fitting = sorted((s for s in by_switch if total[s] >= home), key=lambda s: (total[s], s))
+    pools = [by_switch[s] for s in fitting]
+    for pool in [*pools, hosts]:
+        ordered = sorted(pool, key=lambda h: (-len(free_by_host[h]), h))
+        if not ordered or len(free_by_host[ordered[0]]) < lead or sum(len(free_by_host[h]) for h in pool) < home:
+            continue
+        parts, left = [], home
+        for h in ordered:
+            take = min(left, len(free_by_host[h]))
+            parts.append((h, list(free_by_host[h][:take])))
+            left -= take
+            if not left:
+                return parts
+    return None
+
+
 def take(free_by_host: MutableMapping[int, list[int]], host_of: Mapping[int, int], chosen: Sequence[int]) -> None:
     """Remove ``chosen`` devices from ``free_by_host``, in place (``host_of``: device id -> host id).
 
@@ -106,29 +187,35 @@ def take(free_by_host: MutableMapping[int, list[int]], host_of: Mapping[int, int
 
 
 def split_roles(
-    devices_by_host: Mapping[int, Sequence[int]], trainer_share: int, remote_workers: int
-) -> tuple[int, list[int], list[tuple[int, int]]] | str:
+    devices_by_host: Mapping[int, Sequence[int]], shape: Shape, switch_of: Mapping[int, str | None]
+) -> tuple[list[tuple[int, list[int]]], list[tuple[int, int]]] | str:
     """Divide a run's allocated devices among its roles.
 
-    ``devices_by_host`` maps host id -> the run's device indices there. The trainer role takes
-    ``trainer_share`` devices on one host: the host holding most of the run's devices that can hold it
-    (ties: lowest host id); each remote rollout instance takes one of the devices left, the trainer's
-    host first, then the others by host id. Returns ``(trainer_host, trainer_indices, [(host, index)
-    per rollout instance])``, or a one-line reason when the devices cannot be divided that way.
+    ``devices_by_host`` maps host id -> the run's device indices there. The trainer takes ``shape.home``
+    of them: on one host when one holds them all (the host holding most of the run's devices that can;
+    ties: lowest host id), else spread over hosts by :func:`spread` (one switch, then fewest hosts, the
+    leader's host first). Each remote rollout instance takes one of the devices left, the trainer's hosts
+    first, then the others by host id. Returns ``([(host, indices)] of the trainer, leader first,
+    [(host, index)] per rollout instance)``, or a one-line reason when the devices cannot be divided.
     """
     total = sum(len(indices) for indices in devices_by_host.values())
-    if total != trainer_share + remote_workers:
-        return f"it holds {total} devices but needs {trainer_share + remote_workers}"
+    if total != shape.need:
+        return f"it holds {total} devices but needs {shape.need}"
     hosts = sorted(devices_by_host, key=lambda h: (-len(devices_by_host[h]), h))
-    fitting = [h for h in hosts if len(devices_by_host[h]) >= trainer_share]
-    if not fitting:
-        most = len(devices_by_host[hosts[0]]) if hosts else 0
-        return (
-            f"its trainer needs {trainer_share} devices on one host, but its {total} devices lie on "
-            f"{len(hosts)} hosts with at most {most} on one"
-        )
-    home = fitting[0]
-    indices = sorted(devices_by_host[home])
-    rest = [(home, i) for i in indices[trainer_share:]]
-    rest += [(h, i) for h in sorted(devices_by_host) if h != home for i in sorted(devices_by_host[h])]
-    return home, indices[:trainer_share], rest
+    fitting = [h for h in hosts if len(devices_by_host[h]) >= shape.home]
+    if fitting:
+        indices = sorted(devices_by_host[fitting[0]])
+        trainer = [(fitting[0], indices[: shape.home])]
+    else:
+        spread_out = spread(shape.home, shape.lead, {h: sorted(d) for h, d in devices_by_host.items()}, switch_of)
+        if spread_out is None:
+            most = len(devices_by_host[hosts[0]]) if hosts else 0
+            return (
+                f"its trainer's first host needs {shape.lead} devices (rank 0 with its rollout and evaluator "
+                f"devices), but its {total} devices lie on {len(hosts)} hosts with at most {most} on one"
+            )
+        trainer = spread_out
+    used = {h: set(indices) for h, indices in trainer}
+    order = [h for h, _ in trainer] + sorted(h for h in devices_by_host if h not in used)
+    rest = [(h, i) for h in order for i in sorted(devices_by_host[h]) if i not in used.get(h, ())]
+    return trainer, rest

@@ -5,7 +5,7 @@ the pass looks among the group's RUNNING or PAUSED runs whose spec says
 ``resources.preemptible: true`` and whose effective priority is lower than the
 waiting run's, lowest priority first (then the most recently started, which
 loses the least work). It picks the fewest such victims whose devices, with the
-free ones, let the waiting run be placed on one host, and sends each a
+free ones, let the waiting run be placed (jobs.placement.place_run), and sends each a
 ``preempt`` command. The runtime writes a checkpoint and exits; jobs.launch then
 moves the victim PREEMPTED -> QUEUED, admission gives the devices to the waiting
 run, and the victim resumes from its checkpoint when devices free up again.
@@ -47,13 +47,13 @@ def preempt_for_waiting(group_id: int) -> list[int]:
                 "effective_priority",
                 "devices_requested",
                 "reason",
-                "resolved_spec__resources__remote_rollout_workers",
+                "resolved_spec__resources",
             )
             .first()
         )
         if waiting is None or not waiting[3].startswith(NO_FREE_DEVICES):
             return []
-        waiting_id, priority, need, _reason, remote = waiting
+        waiting_id, priority, need, _reason, resources = waiting
         # Asked already during this admission (pending, or done while the process is still exiting): not again.
         asked = Command.objects.filter(
             run=OuterRef("pk"), kind=CommandKind.PREEMPT, created_at__gte=OuterRef("admitted_at")
@@ -67,17 +67,17 @@ def preempt_for_waiting(group_id: int) -> list[int]:
             ).order_by("effective_priority", F("started_at").desc(nulls_last=True), "-pk")
             if run.effective_priority < priority and run.resolved_spec.get("resources", {}).get("preemptible")
         ]
-        victims = _fewest_victims(group_id, need, need - int(remote or 0), candidates)
+        victims = _fewest_victims(group_id, placement.shape_of(resources, need), candidates)
         for victim in victims:
             commands.create(None, victim, CommandKind.PREEMPT)
             launch.record_event(victim.pk, "preempting", {"for_run": waiting_id})
     return [v.pk for v in victims]
 
 
-def _fewest_victims(group_id: int, need: int, home: int, candidates: list[Run]) -> list[Run]:
-    """The shortest prefix of ``candidates`` whose devices, added to the free ones, place ``need`` with
-    ``home`` of them on one host (all of them, for a run without remote rollout roles)."""
-    free_by_host, _host_of, _switch_of, _ = admission._free_devices(group_id)
+def _fewest_victims(group_id: int, shape: placement.Shape, candidates: list[Run]) -> list[Run]:
+    """The shortest prefix of ``candidates`` whose devices, added to the free ones, place a run of ``shape``
+    (jobs.placement.place_run)."""
+    free_by_host, _host_of, switch_of, _ = admission._free_devices(group_id)
     held = {}
     for run_id, device_id, host_id in (
         Allocation.objects.active().filter(run__in=candidates).values_list("run_id", "device_id", "device__host_id")
@@ -89,6 +89,6 @@ def _fewest_victims(group_id: int, need: int, home: int, candidates: list[Run]) 
         for device_id, host_id in held.get(run.pk, []):
             pool.setdefault(host_id, []).append(device_id)
         chosen.append(run)
-        if placement.place_with_home(need, home, pool, {}) is not None:
+        if placement.place_run(shape, pool, switch_of) is not None:
             return chosen
     return []

@@ -7,10 +7,12 @@
    finds nothing to claim and neither loses nor doubles the role;
 2. prepare the run directory, the spec file (``output_dir`` = the run directory)
    and a run token for this attempt (minted here: it never crosses the broker);
-3. start ``python -m runtime role trainer`` (``role rollout`` for a ``rollout-<i>``
-   role) through jobs/rolewrap.py, detached from this worker, with device
-   visibility, the platform URL and the token in its environment (and none of
-   the platform's own secrets);
+3. start ``python -m runtime role trainer`` (``role trainer-ranks`` for a further
+   trainer role ``trainer-<h>``, ``role rollout`` for a ``rollout-<i>`` role)
+   through jobs/rolewrap.py, detached from this worker, with device visibility,
+   the platform URL and the token in its environment (and none of the
+   platform's own secrets; trainer ranks over several hosts also get their
+   ranks and trainer-0's rendezvous);
 4. record its pid and move the run ADMITTED -> STARTING (the runtime's first
    ``running`` heartbeat moves it on to RUNNING, jobs.ingest.handler).
 
@@ -21,7 +23,8 @@ restarted worker adopts the roles its predecessor started:
 
 * ``exit_code`` written -> ``jobs.launch.role_exited`` (complete, fail, restart...);
 * the process is gone without one -> ``role_exited(None)``;
-* the run stopped being active (cancelled, stopped, failed) more than
+* another trainer role of its run failed (``stop_requested``: the trainer roles
+  restart together), or the run stopped being active (cancelled, stopped, failed) more than
   ``STOP_GRACE_S`` ago (``ROLLOUT_STOP_GRACE_S`` for a rollout role: it has
   nothing to save) and the process still lives, or the attempt is left from an
   earlier admission of the run (``jobs.launch.superseded``) -> SIGTERM to its
@@ -62,6 +65,7 @@ from jobs.models import RoleHeartbeat, Run, RunRole
 from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform.agent import config_from_env
+from rlplatform.models import Host
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +149,8 @@ def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
         MASTER_PORT=str(29500 + run.pk % 10000),
         PYTHONUNBUFFERED="1",
     )
+    if launch.is_trainer(role.name):
+        env.update(_trainer_group_env(run, role))
     # The trainer advertises this address to the remote rollout roles (its endpoint file).
     env["TANDEM_HOST_ADDRESS"] = role.host.address or role.host.name
     if launch.remote_rollout_workers(run):
@@ -155,6 +161,20 @@ def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
     return env
 
 
+def _trainer_group_env(run: Run, role: RunRole) -> dict[str, str]:
+    """Trainer ranks over several hosts: each trainer role's ranks, and the rendezvous at trainer-0's host."""
+    placed = launch.placed_roles(run)
+    if isinstance(placed, str) or role.name not in placed:
+        return {}
+    ranks = launch.trainer_ranks(placed, launch.resources_of(run))
+    if len(ranks) < 2:
+        return {}  # all of them in trainer-0's process group on its host
+    mine = ranks[role.name]
+    leader = Host.objects.get(pk=placed[launch.TRAINER][0])
+    variable = "TANDEM_LOCAL_RANKS" if role.name == launch.TRAINER else "TANDEM_RANKS"
+    return {variable: f"{mine.start}-{mine.stop - 1}", "MASTER_ADDR": leader.address or leader.name}
+
+
 def rollout_key(run_id: int) -> str:
     """The secret the trainer and the rollout roles of a run authenticate each other with: derived from
     the platform's SECRET_KEY, so every host's worker computes the same value and none is stored."""
@@ -162,13 +182,15 @@ def rollout_key(run_id: int) -> str:
 
 
 def role_command(spec_path: Path, workdir: str, kind: str = "trainer") -> list[str]:
-    """The runtime's command line for a role of ``kind`` (``trainer`` or ``rollout``)."""
+    """The runtime's command line for a role of ``kind`` (``trainer``, ``trainer-ranks`` or ``rollout``)."""
     return [sys.executable, "-m", "runtime", "role", kind, "--spec", str(spec_path), "--workdir", workdir]
 
 
 def _command(role: RunRole, spec_path: Path) -> list[str]:
     if launch.is_rollout(role.name):
         return role_command(spec_path, role.workdir, "rollout")
+    if role.name != launch.TRAINER:  # trainer ranks on a further host
+        return role_command(spec_path, role.workdir, "trainer-ranks")
     return role_command(spec_path, role.workdir)  # two arguments: tests/launch/test_supervisor.py stands in for it
 
 
@@ -313,6 +335,8 @@ class Supervisor:
 
     def _should_stop(self, role: RunRole, now) -> bool:
         run = role.run
+        if role.stop_requested:  # another trainer role of its run failed: they restart together
+            return True
         if RunState(run.state) in ACTIVE_STATES:
             return launch.superseded(role, run)  # its run was admitted again: a new attempt replaces it
         ended = run.finished_at or run.updated_at

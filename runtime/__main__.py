@@ -200,6 +200,12 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
         resolve_device(spec.resources.device, 0)  # its one device; the model is checked as it loads
         return role.run_rollout(spec, env, options.workdir)
+    if options.role == "trainer-ranks":
+        from runtime.devices import resolve_device
+
+        ranks = role.trainer_ranks(spec, os.environ)
+        resolve_device(spec.resources.device, len(ranks) - 1)  # one device per rank, in rank order
+        return role.run_trainer_ranks(spec, env, ranks)
     preflight(spec)
     resume = role.find_resume(options.workdir) if options.resume == "auto" else None
     summary = role.run_trainer(spec, env, options.workdir, resume)

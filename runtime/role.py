@@ -37,7 +37,7 @@ from runtime.control import Directive
 from runtime.reporting_http import SPOOL_FILE, HttpReporter, JsonPoster, PostError
 from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
 
-ROLES = ("trainer", "rollout")
+ROLES = ("trainer", "trainer-ranks", "rollout")
 COMMANDS_FILE = "commands.jsonl"
 SPOOL_DIR = "spool"
 TOKEN_FILE = "token"
@@ -80,7 +80,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> RoleArgs:
     parser = _Parser(prog="python -m runtime role", allow_abbrev=False, description="run one role of a platform run")
-    parser.add_argument("role", help="the role to run: trainer, or rollout (a remote rollout instance)")
+    parser.add_argument(
+        "role", help="the role to run: trainer, trainer-ranks (its ranks on a further host), or rollout (remote)"
+    )
     parser.add_argument("--spec", required=True, help="the run's resolved spec (YAML)")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics, spools and commands.jsonl go here")
     parser.add_argument(
@@ -422,25 +424,13 @@ def run_trainer(spec: RunSpec, env: RoleEnv, workdir: Path, resume: Path | None)
     return TrainerRole(spec, env, workdir, resume).run()
 
 
-# ---------------------------------------------------------------------------------- a remote rollout role
+# ---------------------------------------------------------------------------------- roles beside the trainer
 
 
-def rollout_index(role: str) -> int:
-    """``rollout-<i>`` -> i (which remote rollout instance of the run this role is)."""
-    match = re.fullmatch(r"rollout-(\d+)", role)
-    if match is None:
-        raise RoleInputError(f"TANDEM_ROLE: a rollout role is named rollout-<index>, got {role!r}")
-    return int(match.group(1))
-
-
-def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
-    """One attempt of a remote rollout instance (runtime.rollout_remote) under the platform: it finds the
-    trainer through ``<workdir>/rollout-endpoint.json`` and heartbeats its status (commands are the
-    trainer's: a rollout role's heartbeat carries none). Returns the exit status."""
-    from runtime.rollout_link import ENDPOINT_FILE, env_key
-    from runtime.rollout_remote import RemoteInstance, RolloutRefused
-
-    index = rollout_index(env.role)
+def _beside_the_trainer(env: RoleEnv, work: Callable[[Callable[[str], None]], int]) -> int:
+    """Run ``work(changed)`` -> exit status as a role beside trainer-0 (a remote rollout instance, trainer
+    ranks on a further host): it heartbeats its status — ``changed(status)`` reports a change at once —
+    and takes no commands (they are trainer-0's: such a role's heartbeat reply carries none)."""
     status = {"now": "starting"}
     poster = JsonPoster(env.platform_url, env.token)
 
@@ -463,13 +453,73 @@ def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
     heartbeat.start()
     final = "failed"
     try:
-        try:
-            instance = RemoteInstance(spec, index, log=_log)
-            code = instance.serve(workdir / ENDPOINT_FILE, env_key(), changed)
-        except RolloutRefused as exc:
-            raise RoleInputError(str(exc)) from None
+        code = work(changed)
         final = "finished" if code == 0 else "failed"
         return code
     finally:
         heartbeat.stop()
         heartbeat.beat(final)
+
+
+def rollout_index(role: str) -> int:
+    """``rollout-<i>`` -> i (which remote rollout instance of the run this role is)."""
+    match = re.fullmatch(r"rollout-(\d+)", role)
+    if match is None:
+        raise RoleInputError(f"TANDEM_ROLE: a rollout role is named rollout-<index>, got {role!r}")
+    return int(match.group(1))
+
+
+def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
+    """One attempt of a remote rollout instance (runtime.rollout_remote) under the platform: it finds the
+    trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
+    from runtime.rollout_link import ENDPOINT_FILE, env_key
+    from runtime.rollout_remote import RemoteInstance, RolloutRefused
+
+    index = rollout_index(env.role)
+
+    def work(changed: Callable[[str], None]) -> int:
+        try:
+            instance = RemoteInstance(spec, index, log=_log)
+            return instance.serve(workdir / ENDPOINT_FILE, env_key(), changed)
+        except RolloutRefused as exc:
+            raise RoleInputError(str(exc)) from None
+
+    return _beside_the_trainer(env, work)
+
+
+RANKS_ENV = "TANDEM_RANKS"
+
+
+def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
+    """The ranks a further trainer role runs, from ``TANDEM_RANKS`` (``first-last``, rank 0 excluded)."""
+    from runtime.trainer_group import TrainerGroupError, parse_ranks
+
+    text = environ.get(RANKS_ENV, "").strip()
+    if not text:
+        raise RoleInputError(f"{RANKS_ENV}: required (the trainer ranks this host runs, first-last)")
+    try:
+        ranks = parse_ranks(text, spec.resources.trainer_devices, RANKS_ENV)
+    except TrainerGroupError as exc:
+        raise RoleInputError(str(exc)) from None
+    if ranks.start == 0:
+        raise RoleInputError(f"{RANKS_ENV}: {text!r} includes rank 0, which is trainer-0's")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not environ.get(name, "").strip():
+            raise RoleInputError(f"{name}: required (trainer-0's rendezvous)")
+    return ranks
+
+
+def run_trainer_ranks(spec: RunSpec, env: RoleEnv, ranks: range) -> int:
+    """One attempt of trainer ranks on a further host (runtime.trainer_group.serve_ranks): they meet
+    trainer-0 at ``MASTER_ADDR`` / ``MASTER_PORT`` and follow it until it stops them (exit 0) or fails."""
+    from runtime.pipeline import thread_plan
+    from runtime.trainer_group import TrainerGroupError, serve_ranks
+
+    def work(changed: Callable[[str], None]) -> int:
+        changed("running")
+        try:
+            return serve_ranks(spec, ranks, thread_plan(spec)[0])
+        except TrainerGroupError as exc:
+            raise RoleInputError(str(exc)) from None
+
+    return _beside_the_trainer(env, work)

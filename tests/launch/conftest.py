@@ -189,3 +189,35 @@ def _kill_leftover_roles() -> None:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+@pytest.fixture
+def second_host(platform, cluster, tmp_path):
+    """Another host agent on this machine: a worker of its own (queue ``host.<name>``, one CPU device, no
+    beat), registered in the cluster's group next to the platform fixture's two-device host."""
+    from rlplatform.models import Host
+
+    name = f"{platform.host_name}-b"
+    log = tmp_path / "worker-b.log"
+    env = {
+        **platform.env,
+        "TANDEM_HOST_NAME": name,
+        "TANDEM_HOST_GROUP": GROUP,
+        "TANDEM_HOST_DEVICE_KIND": "cpu",
+        "TANDEM_CPU_DEVICES": "1",
+        "TANDEM_HOST_ADDRESS": "127.0.0.1",
+    }
+    cmd = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--pool", "threads", "--concurrency", "2"]
+    cmd += ["-Q", f"host.{name}", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO"]
+    with log.open("a") as out:
+        worker = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(
+            lambda: Host.objects.filter(name=name, status="online", devices__isnull=False).exists(),
+            "the second worker's agent to register its host",
+            START_S,
+            [*platform.logs, log],
+        )
+        yield {"name": name, "log": log}
+    finally:
+        _stop(worker)

@@ -47,17 +47,6 @@ def test_a_run_that_is_not_admitted_is_not_launched(experiment, submit, start, d
     assert role is None and sent == [] and not RunRole.objects.filter(run=run).exists()
 
 
-def test_a_run_placed_across_hosts_fails_with_the_reason(experiment, submit, django_capture_on_commit_callbacks):
-    run = submit(experiment, devices=6)  # two hosts of four devices: no single host fits
-    assert Allocation.objects.active().filter(run=run).values("device__host").distinct().count() == 2
-    role, sent = launch_captured(run, django_capture_on_commit_callbacks)
-    run.refresh_from_db()
-    assert role is None and sent == []
-    assert run.state == RunState.FAILED
-    assert run.reason == "its 6 devices lie on 2 hosts; a run is launched on one host only"
-    assert not Allocation.objects.active().filter(run=run).exists()
-
-
 @pytest.fixture
 def launched(experiment, submit, django_capture_on_commit_callbacks):
     """A run whose trainer role is started (RUNNING) on attempt 0."""

@@ -76,7 +76,9 @@ def test_no_preemption_when_even_every_candidate_would_not_make_room(
     low = make_experiment(team_a, group, "low", priority=0)
     high = make_experiment(team_a, group, "high", priority=10)
     _running(owner, low, 2, True, django_capture_on_commit_callbacks)
-    waiting, _ = handler.submit_run(owner, high, _spec(3, False))  # 3 devices never fit one 2-device host
-    assert waiting.state == RunState.QUEUED
+    # rank 0 with its 2 rollout devices: 3 on one host, which no 2-device host ever holds
+    spec = _spec(1, False) + "  rollout_devices: 2\n"
+    waiting, _ = handler.submit_run(owner, high, spec)
+    assert waiting.state == RunState.QUEUED and waiting.reason.startswith("no free cpu devices")
     assert preemption.preempt_for_waiting(group.pk) == []
     assert not Command.objects.exists()

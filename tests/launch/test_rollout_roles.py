@@ -33,19 +33,28 @@ def remote_spec(workers: int = 2, *, trainer_devices: int = 1, name: str = "remo
 # --- the pure split ------------------------------------------------------------------------------------
 
 
+def _shape(trainer: int, remote: int, extras: int = 0) -> placement.Shape:
+    return placement.Shape(trainer + extras + remote, trainer + extras, extras + 1)
+
+
 def test_split_puts_the_trainer_share_on_the_fullest_host_and_one_device_per_rollout_instance():
-    assert placement.split_roles({7: [0, 1], 3: [5]}, 1, 2) == (7, [0], [(7, 1), (3, 5)])
+    assert placement.split_roles({7: [0, 1], 3: [5]}, _shape(1, 2), {}) == ([(7, [0])], [(7, 1), (3, 5)])
     # Ties go to the lowest host id; the trainer's host is filled first, then the others by id.
-    assert placement.split_roles({9: [2, 3], 4: [0, 1]}, 2, 2) == (4, [0, 1], [(9, 2), (9, 3)])
+    assert placement.split_roles({9: [2, 3], 4: [0, 1]}, _shape(2, 2), {}) == ([(4, [0, 1])], [(9, 2), (9, 3)])
     # The fullest host that can hold the share, not merely the fullest.
-    assert placement.split_roles({1: [0, 1, 2], 2: [0, 1, 2, 3]}, 4, 3) == (2, [0, 1, 2, 3], [(1, 0), (1, 1), (1, 2)])
+    assert placement.split_roles({1: [0, 1, 2], 2: [0, 1, 2, 3]}, _shape(4, 3), {}) == (
+        [(2, [0, 1, 2, 3])],
+        [(1, 0), (1, 1), (1, 2)],
+    )
 
 
 def test_split_refuses_what_cannot_be_divided_with_the_reason():
-    assert placement.split_roles({1: [0, 1], 2: [0, 1]}, 3, 1) == (
-        "its trainer needs 3 devices on one host, but its 4 devices lie on 2 hosts with at most 2 on one"
+    # rank 0 and its 2 rollout devices must share a host
+    assert placement.split_roles({1: [0, 1], 2: [0, 1]}, _shape(1, 1, extras=2), {}) == (
+        "its trainer's first host needs 3 devices (rank 0 with its rollout and evaluator devices), "
+        "but its 4 devices lie on 2 hosts with at most 2 on one"
     )
-    assert placement.split_roles({1: [0, 1]}, 1, 2) == "it holds 2 devices but needs 3"
+    assert placement.split_roles({1: [0, 1]}, _shape(1, 2), {}) == "it holds 2 devices but needs 3"
 
 
 # --- fixtures ------------------------------------------------------------------------------------------
@@ -135,12 +144,12 @@ def test_launch_places_the_trainer_on_one_host_and_each_rollout_role_on_a_device
     }
 
 
-def test_a_run_whose_trainer_share_fits_no_host_waits_in_the_queue(
+def test_a_run_whose_first_trainer_host_fits_no_host_waits_in_the_queue(
     two_hosts, owner, django_capture_on_commit_callbacks
 ):
-    # admission keeps the trainer's share on one host (jobs.placement.place_with_home): 3 do not fit on
-    # hosts of 2, so the run waits instead of being admitted across hosts and failing at launch
-    run, _ = handler.submit_run(owner, two_hosts, remote_spec(1, trainer_devices=3))
+    # rank 0 and its 2 rollout devices must share a host (they are processes of trainer-0): 3 do not fit
+    # on hosts of 2, so the run waits instead of being admitted across hosts and failing at launch
+    run, _ = handler.submit_run(owner, two_hosts, remote_spec(1, rollout_devices=2))
     run.refresh_from_db()
     assert run.state == RunState.QUEUED
     assert run.reason.startswith("no free cpu devices in group")
@@ -443,43 +452,6 @@ def test_a_rollout_roles_heartbeat_never_takes_the_trainers_commands(running, ow
 # --- end to end: a real worker per host, real runtime processes -----------------------------------------
 
 RUN_S = 180.0  # ceiling for the whole run on a loaded machine
-
-
-@pytest.fixture
-def second_host(platform, cluster, tmp_path):
-    """Another host agent on this machine: a worker of its own (queue ``host.<name>``, one CPU device, no
-    beat), registered in the cluster's group next to the platform fixture's two-device host."""
-    import subprocess
-    import sys
-
-    from rlplatform.models import Host
-    from tests.launch.conftest import GROUP, START_S, _stop
-    from tests.launch.helpers import ROOT, wait_for
-
-    name = f"{platform.host_name}-b"
-    log = tmp_path / "worker-b.log"
-    env = {
-        **platform.env,
-        "TANDEM_HOST_NAME": name,
-        "TANDEM_HOST_GROUP": GROUP,
-        "TANDEM_HOST_DEVICE_KIND": "cpu",
-        "TANDEM_CPU_DEVICES": "1",
-        "TANDEM_HOST_ADDRESS": "127.0.0.1",
-    }
-    cmd = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--pool", "threads", "--concurrency", "2"]
-    cmd += ["-Q", f"host.{name}", "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO"]
-    with log.open("a") as out:
-        worker = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for(
-            lambda: Host.objects.filter(name=name, status="online", devices__isnull=False).exists(),
-            "the second worker's agent to register its host",
-            START_S,
-            [*platform.logs, log],
-        )
-        yield {"name": name, "log": log}
-    finally:
-        _stop(worker)
 
 
 def _e2e_spec(name: str, resources: dict, checkpoint: dict) -> dict:

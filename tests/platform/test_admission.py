@@ -251,21 +251,27 @@ def _remote_spec(trainer_devices: int, remote: int, local: int = 1) -> str:
     )
 
 
-def test_a_run_with_remote_rollout_roles_keeps_its_trainer_share_on_one_host(
+def test_a_runs_trainer_ranks_go_on_one_host_then_one_switch_and_its_rollout_roles_anywhere(
     make_group, make_experiment, team_a, owner
 ):
     layout = [("h1", 2, "sw1"), ("h2", 2, "sw1"), ("h3", 1, "sw1")]
-    groups = [make_group(name, hosts=layout, teams=[team_a]) for name in ("g", "k")]
-    exp, other = (make_experiment(team_a, g, f"e-{g.name}", max_devices=10, max_rollout_workers=10) for g in groups)
-    # 3 trainer devices + 2 remote roles: 5 devices, but no host has 3 free: it waits rather than failing
-    waiting, _ = handler.submit_run(owner, exp, _remote_spec(3, 2))
-    assert _state(waiting) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 5, free 5)")
+    groups = [make_group(name, hosts=layout, teams=[team_a]) for name in ("g", "k", "m")]
+    exp, other, third = (
+        make_experiment(team_a, g, f"e-{g.name}", max_devices=10, max_rollout_workers=10) for g in groups
+    )
+    # 3 trainer devices + 2 remote roles: no host holds the trainer's 3, so its ranks span the switch
+    # (fullest hosts first: the leader's h1, then h2); the roles take what is left
+    spanning, _ = handler.submit_run(owner, exp, _remote_spec(3, 2))
+    assert _state(spanning) == (RunState.ADMITTED, None, "")
+    assert sorted(h for h, _ in _devices_of(spanning)) == ["g-h1", "g-h1", "g-h2", "g-h2", "g-h3"]
     # 2 trainer devices + 3 remote roles: the trainer's two together on one host, the roles on the rest
     fits, _ = handler.submit_run(owner, other, _remote_spec(2, 3))
-    fits.refresh_from_db()
-    assert fits.state == RunState.ADMITTED
-    hosts = [h for h, _ in _devices_of(fits)]
-    assert sorted(hosts) == ["k-h1", "k-h1", "k-h2", "k-h2", "k-h3"]
+    assert _state(fits) == (RunState.ADMITTED, None, "")
+    assert sorted(h for h, _ in _devices_of(fits)) == ["k-h1", "k-h1", "k-h2", "k-h2", "k-h3"]
+    # rank 0 shares its host with its 2 rollout devices: 3 on one host, which no host has: it waits
+    spec = _remote_spec(2, 0).replace("remote_rollout_workers: 0", "remote_rollout_workers: 0\n  rollout_devices: 2")
+    waiting, _ = handler.submit_run(owner, third, spec)
+    assert _state(waiting) == (RunState.QUEUED, 1, "no free cpu devices in group m (need 4, free 5)")
 
 
 def test_remote_rollout_roles_count_against_the_rollout_worker_quota(make_group, make_experiment, team_a, owner):

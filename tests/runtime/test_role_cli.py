@@ -82,7 +82,7 @@ def test_an_invalid_variable_is_named(env, capsys, spec_file, tmp_path, name, va
         (["trainer", "--spec", "SPEC"], "error: the following arguments are required: --workdir"),
         (
             ["evaluator", "--spec", "SPEC", "--workdir", "WORK"],
-            "error: role: 'evaluator' is not one of trainer, rollout",
+            "error: role: 'evaluator' is not one of trainer, trainer-ranks, rollout",
         ),
         (
             ["rollout", "--spec", "SPEC", "--workdir", "WORK"],
@@ -102,6 +102,29 @@ def test_a_bad_argument_is_one_line_naming_it(env, capsys, spec_file, tmp_path, 
     code, lines = _role(capsys, *argv)
     assert (code, lines) == (2, [message])
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({}, "TANDEM_RANKS: required (the trainer ranks this host runs, first-last)"),
+        ({"TANDEM_RANKS": "0-1"}, "TANDEM_RANKS: '0-1' includes rank 0, which is trainer-0's"),
+        ({"TANDEM_RANKS": "3-4"}, "TANDEM_RANKS: '3-4' is not within the run's ranks 0-3"),
+        ({"TANDEM_RANKS": "two"}, "TANDEM_RANKS: expected first-last, e.g. 0-3, got 'two'"),
+        ({"TANDEM_RANKS": "2-3"}, "MASTER_ADDR: required (trainer-0's rendezvous)"),
+        ({"TANDEM_RANKS": "2-3", "MASTER_ADDR": "10.0.0.1"}, "MASTER_PORT: required (trainer-0's rendezvous)"),
+    ],
+)
+def test_trainer_ranks_of_a_further_host_are_checked_with_the_variable_named(env, capsys, tmp_path, variables, message):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(SPEC + "resources:\n  trainer_devices: 4\n")
+    for name in ("TANDEM_RANKS", "MASTER_ADDR", "MASTER_PORT"):
+        env.delenv(name, raising=False)
+    for name, value in variables.items():
+        env.setenv(name, value)
+    env.setenv("TANDEM_ROLE", "trainer-1")
+    code, lines = _role(capsys, "trainer-ranks", "--spec", str(spec_file), "--workdir", str(tmp_path / "work"))
+    assert (code, lines) == (2, [f"error: {message}"])
 
 
 def test_a_missing_spec_file_is_named(env, capsys, tmp_path):
