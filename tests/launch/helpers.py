@@ -34,3 +34,21 @@ def launch_captured(run, capture_on_commit) -> tuple:
     with capture_on_commit(execute=False) as sent:
         result = launch.launch_run(run.pk)
     return result, start_tasks(sent)
+
+
+def e2e_spec(name: str, resources: dict, checkpoint: dict, **sections) -> dict:
+    """A tiny async run for the end-to-end tests, running until stopped (no local rollout instance unless
+    ``resources`` asks); ``sections`` replace or add whole spec sections."""
+    return {
+        "name": name,
+        "seed": 1,
+        "model": {"builtin": "tiny-qwen2"},
+        "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
+        "algorithm": {"name": "grpo", "group_size": 4},
+        "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
+        "pipeline": {"mode": "async", "steps": 100_000, "prompts_per_step": 4, "eval_interval": 0},
+        "resources": {"threads_per_process": 1, "rollout_workers": 0, **resources},
+        "checkpoint": checkpoint,
+        "metrics": {"progress_bar": False},
+        **sections,
+    }

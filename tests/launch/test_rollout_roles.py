@@ -19,7 +19,7 @@ from jobs.models import Allocation, RunEvent, RunRole
 from jobs.models import RoleState as R
 from jobs.states import RunState
 from rlplatform.models import HostStatus
-from tests.launch.helpers import launch_captured, start_tasks
+from tests.launch.helpers import e2e_spec, launch_captured, start_tasks
 
 
 def remote_spec(workers: int = 2, *, trainer_devices: int = 1, name: str = "remote", **resources) -> str:
@@ -454,22 +454,6 @@ def test_a_rollout_roles_heartbeat_never_takes_the_trainers_commands(running, ow
 RUN_S = 180.0  # ceiling for the whole run on a loaded machine
 
 
-def _e2e_spec(name: str, resources: dict, checkpoint: dict) -> dict:
-    """A tiny async run with remote rollout roles only, running until stopped."""
-    return {
-        "name": name,
-        "seed": 1,
-        "model": {"builtin": "tiny-qwen2"},
-        "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
-        "algorithm": {"name": "grpo", "group_size": 4},
-        "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
-        "pipeline": {"mode": "async", "steps": 100_000, "prompts_per_step": 4, "eval_interval": 0},
-        "resources": {"threads_per_process": 1, "rollout_workers": 0, **resources},
-        "checkpoint": checkpoint,
-        "metrics": {"progress_bar": False},
-    }
-
-
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_run_with_remote_rollout_roles_on_two_hosts_goes_on_through_a_killed_rollout_role(
@@ -493,7 +477,7 @@ def test_a_run_with_remote_rollout_roles_on_two_hosts_goes_on_through_a_killed_r
         team=cluster["team"], group=cluster["group"], name="remote", max_devices=3, max_concurrent_runs=1
     )
     Experiment.objects.create(team=cluster["team"], name="remote", group=cluster["group"], quota=quota)
-    spec = _e2e_spec("remote-rollout", {"remote_rollout_workers": 2}, {"interval": 0})
+    spec = e2e_spec("remote-rollout", {"remote_rollout_workers": 2}, {"interval": 0})
     api = TandemClient(platform.url, cluster["token"])
     created, body = api.submit("remote", yaml.safe_dump(spec))
     assert created, body
@@ -564,7 +548,7 @@ def test_a_preempted_run_with_a_remote_rollout_role_resumes_with_every_role(plat
     from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run
     from tests.launch.helpers import wait_for
 
-    spec = _e2e_spec(
+    spec = e2e_spec(
         "remote-preempt", {"remote_rollout_workers": 1, "preemptible": True}, {"interval": 5, "keep_last": 1000}
     )
     api = TandemClient(platform.url, cluster["token"])

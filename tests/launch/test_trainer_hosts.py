@@ -245,25 +245,17 @@ def test_trainer_ranks_on_two_hosts_train_as_one_and_restart_together_after_a_de
     from jobs.client import TandemClient
     from jobs.models import CheckpointRecord, Command, Experiment, MetricPoint, RoleHeartbeat, Run
     from rlplatform.models import Quota
-    from tests.launch.helpers import wait_for
+    from tests.launch.helpers import e2e_spec, wait_for
 
     quota = Quota.objects.create(
         team=cluster["team"], group=cluster["group"], name="ranks", max_devices=3, max_concurrent_runs=1
     )
     Experiment.objects.create(team=cluster["team"], name="ranks", group=cluster["group"], quota=quota)
-    spec = {
-        "name": "ranks-on-two-hosts",
-        "seed": 1,
-        "model": {"builtin": "tiny-qwen2"},
-        "task": {"name": "reverse", "min_len": 1, "max_len": 4, "train_size": 256, "eval_size": 8},
-        "algorithm": {"name": "grpo", "group_size": 4},
-        "rollout": {"max_new_tokens": 6, "max_batch_size": 16},
-        "pipeline": {"mode": "async", "steps": 100_000, "prompts_per_step": 3, "eval_interval": 0},
-        "resources": {"threads_per_process": 1, "trainer_devices": 3, "rollout_workers": 1, "max_restarts": 2},
-        "trainer": {"collective_timeout_s": 60},
-        "checkpoint": {"interval": 2, "keep_last": 1000},
-        "metrics": {"progress_bar": False},
-    }
+    spec = e2e_spec(
+        "ranks-on-two-hosts",
+        {"trainer_devices": 3, "rollout_workers": 1, "max_restarts": 2},
+        {"interval": 2, "keep_last": 1000},
+    )  # trainer.collective_timeout_s stays 600 s: a loaded machine may start trainer-0 long after trainer-1
     api = TandemClient(platform.url, cluster["token"])
     created, body = api.submit("ranks", yaml.safe_dump(spec))
     assert created, body

@@ -130,15 +130,20 @@ def _hold_the_lock(shared, ready):
     sub.switch(apply)
 
 
-def test_the_weight_lock_of_a_reader_killed_while_copying_is_released():
+def _a_reader_holding_the_lock():
+    """A weight service with a shared buffer, and a live reader process blocked inside ``switch``."""
     ctx = torch.multiprocessing.get_context("spawn")
-    model = torch.nn.Linear(3, 2)
     svc = WeightService(keep=0)
-    shared = svc.shared_handle(model.state_dict(), ctx)
+    shared = svc.shared_handle(torch.nn.Linear(3, 2).state_dict(), ctx)
     ready = ctx.Event()
     proc = ctx.Process(target=_hold_the_lock, args=(shared, ready), daemon=True)
     proc.start()
     assert ready.wait(60)
+    return svc, shared, proc
+
+
+def test_the_weight_lock_of_a_reader_killed_while_copying_is_released():
+    svc, shared, proc = _a_reader_holding_the_lock()
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     svc.reader_gone(proc.pid)
@@ -211,14 +216,7 @@ def test_a_rollout_process_killed_while_paused_is_replaced_before_resume(tmp_pat
 def test_a_publish_waiting_on_a_frozen_reader_asks_its_owner_to_deal_with_it():
     """A reader frozen while copying (SIGSTOP, a stuck device call) is alive and recorded as the holder:
     nothing frees its lock by itself. The publish hands its pid to ``on_wait`` until the owner kills it."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    model = torch.nn.Linear(3, 2)
-    svc = WeightService(keep=0)
-    shared = svc.shared_handle(model.state_dict(), ctx)
-    ready = ctx.Event()
-    proc = ctx.Process(target=_hold_the_lock, args=(shared, ready), daemon=True)
-    proc.start()
-    assert ready.wait(60)
+    svc, shared, proc = _a_reader_holding_the_lock()
     os.kill(proc.pid, signal.SIGSTOP)
     asked: list[int] = []
 
