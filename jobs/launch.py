@@ -15,13 +15,15 @@ one holds them, else the fewest hosts (jobs.placement.spread) — and ``trainer-
 run the ranks on the further hosts (``python -m runtime role trainer-ranks``), meeting ``trainer-0`` at its
 host's rendezvous. A spec with ``resources.remote_rollout_workers: N`` adds the roles ``rollout-0`` ..
 ``rollout-<N-1>``: rollout instances that run as processes of their own, one device each, on any host,
-and connect to the trainer.
+and connect to the trainer; ``resources.remote_evaluator: true`` adds ``evaluator``, the evaluator as
+such a process (``python -m runtime role evaluator``).
 
 The run's state follows ``trainer-0``. The trainer roles live and die together: when one fails, the
 others are stopped (``stop_requested``), and once all have exited they are started again together,
 resuming from the newest checkpoint (within ``resources.max_restarts``). A further trainer role that
-exits 0 is done (``trainer-0`` ended the run). A rollout role that exits 0 is done too (the trainer
-released it); one that fails is restarted on its host while the run goes on, within ``rollout_restarts``.
+exits 0 is done (``trainer-0`` ended the run). A rollout or evaluator role that exits 0 is done too (the
+trainer released it); one that fails is restarted on its host while the run goes on, within
+``rollout_restarts``.
 Every admission queues all the roles together; an attempt still live from an earlier admission
 (the run was requeued and admitted again before it ended) is stopped by its host's supervisor, and
 the last one's end launches the new admission's roles.
@@ -59,6 +61,7 @@ logger = logging.getLogger(__name__)
 TRAINER = "trainer-0"
 TRAINER_PREFIX = "trainer-"  # + index: trainer-0 (the leader), then the trainer ranks on further hosts
 ROLLOUT_PREFIX = "rollout-"  # + index: the remote rollout roles
+EVALUATOR = "evaluator"  # the remote evaluator's role (resources.remote_evaluator)
 LAUNCH_TASK = "jobs.tasks.launch_runs"
 START_TASK = "jobs.tasks.start_role"
 EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
@@ -80,6 +83,11 @@ def is_rollout(name: str) -> bool:
     return name.startswith(ROLLOUT_PREFIX)
 
 
+def connects_to_trainer(name: str) -> bool:
+    """A remote rollout role or the evaluator: it serves trainer-0 over the link, while the run goes on."""
+    return is_rollout(name) or name == EVALUATOR
+
+
 def is_trainer(name: str) -> bool:
     """``trainer-0`` or a further trainer role (ranks on another host): they restart together."""
     return name.startswith(TRAINER_PREFIX)
@@ -94,12 +102,22 @@ def remote_rollout_workers(run: Run) -> int:
     return int(resources_of(run).get("remote_rollout_workers", 0) or 0)
 
 
+def remote_evaluator(run: Run) -> bool:
+    return bool(resources_of(run).get("remote_evaluator", False))
+
+
+def uses_link(run: Run) -> bool:
+    """Whether roles of the run connect to trainer-0 (runtime.rollout_link): remote rollout roles, the evaluator."""
+    return remote_rollout_workers(run) > 0 or remote_evaluator(run)
+
+
 def role_names(run: Run) -> list[str]:
     """Every role the current admission of ``run`` launches: its trainer roles, then its remote rollout
     instances (how many trainer roles: how its allocated devices lie, see :func:`placed_roles`)."""
     placed = placed_roles(run)
     if isinstance(placed, str):
-        return [TRAINER, *(f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run)))]
+        rollouts = [f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run))]
+        return [TRAINER, *rollouts, *([EVALUATOR] if remote_evaluator(run) else [])]
     return list(placed)
 
 
@@ -210,10 +228,12 @@ def _place_roles(run: Run, devices: list[tuple[int, int]]) -> dict[str, tuple[in
     split = placement.split_roles(by_host, placement.shape_of(resources_of(run), run.devices_requested), switch_of)
     if isinstance(split, str):
         return split
-    trainer, rollout_devices = split
+    trainer, others = split
     placed = {f"{TRAINER_PREFIX}{i}": (host_id, indices) for i, (host_id, indices) in enumerate(trainer)}
-    for i, (host_id, index) in enumerate(rollout_devices):
-        placed[f"{ROLLOUT_PREFIX}{i}"] = (host_id, [index])
+    names = [f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run))]
+    names += [EVALUATOR] if remote_evaluator(run) else []
+    for name, (host_id, index) in zip(names, others, strict=True):
+        placed[name] = (host_id, [index])
     return placed
 
 
@@ -265,7 +285,7 @@ def launch_run(run_id: int) -> RunRole | None:
             handler.transition(run, RunState.FAILED, placed)
             return None
         hosts = Host.objects.in_bulk({host_id for host_id, _indices in placed.values()})
-        if remote_rollout_workers(run):
+        if uses_link(run):
             _forget_endpoint(run.pk)
         trainer = None
         for name in placed:
@@ -420,7 +440,7 @@ def superseded(role: RunRole, run: Run) -> bool:
 
 
 def _restart_budget(role: RunRole, run: Run) -> int:
-    key = "rollout_restarts" if is_rollout(role.name) else "max_restarts"
+    key = "rollout_restarts" if connects_to_trainer(role.name) else "max_restarts"
     return int(resources_of(run).get(key, 3))
 
 
@@ -429,7 +449,7 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return "ended"
     if superseded(role, run):
         return "superseded"
-    if is_rollout(role.name):
+    if connects_to_trainer(role.name):
         return _decide_rollout(role, run, exit_code, error, why)
     if role.stop_requested:  # stopped because another trainer role failed: they restart together
         return _trainer_stopped(run)
@@ -528,7 +548,8 @@ def _restart(role: RunRole, run: Run, what: str) -> str:
 
 
 def _decide_rollout(role: RunRole, run: Run, exit_code: int | None, error: str, why: str) -> str:
-    """A remote rollout role ended while its run goes on (the run's state follows the trainer)."""
+    """A remote rollout role or the remote evaluator ended while its run goes on (the run's state follows
+    the trainer)."""
     if exit_code == 0:  # the trainer ended the run and released it
         record_event(run.pk, "role_done", {"role": role.name, "attempt": role.attempt})
         return "done"

@@ -99,9 +99,9 @@ def place_with_home(
 @dataclass(frozen=True)
 class Shape:
     """What placing one run asks for: ``need`` devices, ``home`` of them the trainer's (its data-parallel
-    ranks plus the leader's own rollout and evaluator devices; the rest are remote rollout roles, one
-    device each, anywhere), and at least ``lead`` of those on the leader's host (rank 0 + its rollout
-    and evaluator devices: they are processes of the leader)."""
+    ranks plus the leader's own rollout and evaluator devices; the rest are remote rollout roles and a
+    remote evaluator, one device each, anywhere), and at least ``lead`` of those on the leader's host
+    (rank 0 + its rollout and evaluator devices: they are processes of the leader)."""
 
     need: int
     home: int
@@ -117,7 +117,7 @@ def shape_of(resources: Mapping[str, Any] | None, need: int | None = None) -> Sh
         return int(r.get(key, 0) or 0)
 
     extras = count("rollout_devices") + count("eval_devices")
-    remote = count("remote_rollout_workers")
+    remote = count("remote_rollout_workers") + int(bool(r.get("remote_evaluator")))  # one device each, anywhere
     home = max(1, count("trainer_devices")) + extras if need is None else max(0, need - remote)
     return Shape(home + remote, home, max(1, min(extras + 1, home)))
 
@@ -194,9 +194,10 @@ def split_roles(
     ``devices_by_host`` maps host id -> the run's device indices there. The trainer takes ``shape.home``
     of them: on one host when one holds them all (the host holding most of the run's devices that can;
     ties: lowest host id), else spread over hosts by :func:`spread` (one switch, then fewest hosts, the
-    leader's host first). Each remote rollout instance takes one of the devices left, the trainer's hosts
-    first, then the others by host id. Returns ``([(host, indices)] of the trainer, leader first,
-    [(host, index)] per rollout instance)``, or a one-line reason when the devices cannot be divided.
+    leader's host first). Each remote rollout instance (then a remote evaluator) takes one of the devices
+    left, the trainer's hosts first, then the others by host id. Returns ``([(host, indices)] of the
+    trainer, leader first, [(host, index)] per other role)``, or a one-line reason when the devices
+    cannot be divided.
     """
     total = sum(len(indices) for indices in devices_by_host.values())
     if total != shape.need:

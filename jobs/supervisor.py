@@ -25,7 +25,7 @@ restarted worker adopts the roles its predecessor started:
 * the process is gone without one -> ``role_exited(None)``;
 * another trainer role of its run failed (``stop_requested``: the trainer roles
   restart together), or the run stopped being active (cancelled, stopped, failed) more than
-  ``STOP_GRACE_S`` ago (``ROLLOUT_STOP_GRACE_S`` for a rollout role: it has
+  ``STOP_GRACE_S`` ago (``ROLLOUT_STOP_GRACE_S`` for a rollout or evaluator role: it has
   nothing to save) and the process still lives, or the attempt is left from an
   earlier admission of the run (``jobs.launch.superseded``) -> SIGTERM to its
   process group, SIGKILL ``KILL_GRACE_S`` later;
@@ -153,7 +153,7 @@ def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
         env.update(_trainer_group_env(run, role))
     # The trainer advertises this address to the remote rollout roles (its endpoint file).
     env["TANDEM_HOST_ADDRESS"] = role.host.address or role.host.name
-    if launch.remote_rollout_workers(run):
+    if launch.uses_link(run):
         env["TANDEM_ROLLOUT_KEY"] = rollout_key(run.pk)
     variable = VISIBILITY_VARIABLE.get(role.host.group.kind)
     if variable:
@@ -189,6 +189,8 @@ def role_command(spec_path: Path, workdir: str, kind: str = "trainer") -> list[s
 def _command(role: RunRole, spec_path: Path) -> list[str]:
     if launch.is_rollout(role.name):
         return role_command(spec_path, role.workdir, "rollout")
+    if role.name == launch.EVALUATOR:
+        return role_command(spec_path, role.workdir, "evaluator")
     if role.name != launch.TRAINER:  # trainer ranks on a further host
         return role_command(spec_path, role.workdir, "trainer-ranks")
     return role_command(spec_path, role.workdir)  # two arguments: tests/launch/test_supervisor.py stands in for it
@@ -340,7 +342,7 @@ class Supervisor:
         if RunState(run.state) in ACTIVE_STATES:
             return launch.superseded(role, run)  # its run was admitted again: a new attempt replaces it
         ended = run.finished_at or run.updated_at
-        grace = ROLLOUT_STOP_GRACE_S if launch.is_rollout(role.name) else STOP_GRACE_S
+        grace = ROLLOUT_STOP_GRACE_S if launch.connects_to_trainer(role.name) else STOP_GRACE_S
         return ended is None or (now - ended).total_seconds() >= grace or run.state == RunState.CANCELLED
 
     def _terminate(self, role: RunRole, done: dict[str, int]) -> None:

@@ -5,9 +5,11 @@
     python -m runtime eval --checkpoint DIR [--spec SPEC.yaml] [key.sub=value ...]
     python -m runtime validate SPEC.yaml [key.sub=value ...]
     python -m runtime rollout SPEC.yaml --index I [--endpoint FILE] [key.sub=value ...]   (a remote rollout instance)
+    python -m runtime evaluator SPEC.yaml [--endpoint FILE] [key.sub=value ...]   (a remote evaluator)
     python -m runtime trainer-ranks SPEC.yaml --ranks FIRST-LAST [key.sub=value ...]   (trainer ranks on another host)
     python -m runtime role trainer --spec FILE --workdir DIR [--resume auto|never]   (platform-managed runs)
     python -m runtime role rollout --spec FILE --workdir DIR                         (its remote rollout instances)
+    python -m runtime role evaluator|trainer-ranks --spec FILE --workdir DIR         (its remote evaluator, ranks)
 
 Bad input — an unknown or invalid field, an impossible combination, a
 missing model path or dataset, a device that is not there, a corrupt or
@@ -171,6 +173,26 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
+def _cmd_evaluator(args: argparse.Namespace) -> int:
+    from runtime.devices import resolve_device
+    from runtime.evaluator_remote import EvaluatorProcess
+    from runtime.models import check_model_path
+    from runtime.rollout_link import env_key
+    from runtime.rollout_remote import RolloutRefused, endpoint_path
+
+    spec = load_spec(args.spec, args.overrides)
+    if not spec.resources.remote_evaluator:
+        raise UsageError("resources.remote_evaluator: false; this run evaluates inside its trainer")
+    resolve_device(spec.resources.device, 0)
+    if spec.model.path:
+        check_model_path(spec.model.path)
+    try:
+        evaluator = EvaluatorProcess(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
+        return evaluator.serve(endpoint_path(spec, args.endpoint), env_key())
+    except RolloutRefused as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device
     from runtime.pipeline import thread_plan
@@ -200,6 +222,11 @@ def _cmd_role(args: argparse.Namespace) -> int:
 
         resolve_device(spec.resources.device, 0)  # its one device; the model is checked as it loads
         return role.run_rollout(spec, env, options.workdir)
+    if options.role == "evaluator":
+        from runtime.devices import resolve_device
+
+        resolve_device(spec.resources.device, 0)  # its one device; the model is checked as it loads
+        return role.run_evaluator(spec, env, options.workdir)
     if options.role == "trainer-ranks":
         from runtime.devices import resolve_device
 
@@ -244,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
     )
     p.set_defaults(func=_cmd_rollout)
+
+    p = sub.add_parser("evaluator", help="the remote evaluator of an async run (connects to its trainer)")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (the trainer's spec must match)")
+    p.add_argument(
+        "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
+    )
+    p.set_defaults(func=_cmd_evaluator)
 
     p = sub.add_parser("trainer-ranks", help="data-parallel trainer ranks of a leader on another host")
     p.add_argument("spec")

@@ -26,6 +26,8 @@ import torch
 
 from runtime import metrics as M
 from runtime.evaluator import BackgroundEvaluator
+from runtime.evaluator_remote import ROLE as EVALUATOR_ROLE
+from runtime.evaluator_remote import RemoteEvaluator
 from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
 from runtime.queue import QueueClosed, SampleQueue
 from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
@@ -273,7 +275,8 @@ class AsyncMode:
         self.news: list[tuple[str, dict[str, Any]]] = []  # events of other threads, reported by the main one
         self.steps_done = ctx.start_step
         ctx.trace["issued_to"] = []  # [steps done when issued, rollout rank, groups]: runs of consecutive issues
-        self.evaluator: BackgroundEvaluator | None = None
+        self.evaluator: BackgroundEvaluator | RemoteEvaluator | None = None
+        self.remote_eval: RemoteEvaluator | None = None  # resources.remote_evaluator: kept across rollbacks
         self.mp = torch.multiprocessing.get_context("spawn")
         self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
         ctx.weights.on_wait = self.kill_if_hung  # a publish waiting on a frozen reader must not wait for ever
@@ -322,6 +325,7 @@ class AsyncMode:
             RolloutListener,
             advertised_address,
             env_key,
+            spec_digest,
             write_endpoint,
         )
 
@@ -329,6 +333,9 @@ class AsyncMode:
         drawn = key is None  # standalone: draw one; the endpoint file (mode 0600) carries it
         if key is None:
             key = secrets.token_hex(32).encode()
+        if self.ctx.spec.resources.remote_evaluator:
+            self.remote_eval = RemoteEvaluator(spec_digest(self.ctx.spec), self.tell)
+            self.params_changed()  # it is the evaluator from now on
         self.listener = RolloutListener(self.ctx.spec.pipeline.rollout_listen, key, self.admit)
         self.ctx.weights.on_publish = self.push_weights
         endpoint = Endpoint(
@@ -347,6 +354,10 @@ class AsyncMode:
 
         spec = self.ctx.spec
         r = spec.resources
+        if hello.get("role") == EVALUATOR_ROLE:
+            if self.remote_eval is None:
+                return "this run has no remote evaluator (resources.remote_evaluator)", False
+            return self.remote_eval.admit(conn, hello)
         rank = hello.get("rank")
         if not isinstance(rank, int) or not r.rollout_workers <= rank < r.all_rollout_workers:
             first, last = r.rollout_workers, r.all_rollout_workers - 1
@@ -368,6 +379,11 @@ class AsyncMode:
             self.news.append(("rollout_connected", {"rank": rank, "host": peer.host, "pid": peer.pid}))
         return None
 
+    def tell(self, kind: str, payload: dict[str, Any]) -> None:
+        """News from another thread (the remote evaluator's), reported by the main one."""
+        with self.st.lock:
+            self.news.append((kind, payload))
+
     def push_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
         with self.st.lock:
             peers = [s.proc for s in self.live_slots() if s.remote]
@@ -381,12 +397,7 @@ class AsyncMode:
         """Fail on a rollout error; replace a rollout process that died or went silent, issuing its work again."""
         if self.st.error:
             raise PipelineError(self.st.error)
-        with self.st.lock:
-            news, self.news = self.news, []
-        for kind, payload in news:
-            self.ctx.reporters.event(kind, payload)
-        if news:
-            self.ctx.publish_status(**self.rollout_status())
+        self.report_news()
         now = time.monotonic()
         for slot in list(self.st.slots):
             self._kill_if_silent(slot, now)
@@ -398,6 +409,15 @@ class AsyncMode:
             if not slot.eof and now - slot.dead_since < 5.0:
                 continue
             self.replace(slot)
+
+    def report_news(self) -> None:
+        """Report the events other threads noted (connections of remote instances and the evaluator)."""
+        with self.st.lock:
+            news, self.news = self.news, []
+        for kind, payload in news:
+            self.ctx.reporters.event(kind, payload)
+        if news:
+            self.ctx.publish_status(**self.rollout_status())
 
     def _kill_if_silent(self, slot: _Slot, now: float) -> bool:
         """Kill an instance that sent nothing, not even a heartbeat, for rollout.hang_timeout_s
@@ -509,7 +529,7 @@ class AsyncMode:
         B = self.B
         probe = ConsistencyProbe(spec, ctx.device, max_samples=min(self.G, 4))  # a sample of the batch: cheap
         self.shared = ctx.weights.shared_handle(trainer.publish_state(), self.mp)
-        if spec.resources.remote_rollout_workers:
+        if spec.resources.remote_rollout_workers or spec.resources.remote_evaluator:
             self.listen()
         ctx.weights.initialize(trainer.publish_state())
         receiver = threading.Thread(target=st.receive, name="receiver", daemon=True)
@@ -625,6 +645,9 @@ class AsyncMode:
         if self.evaluator is not None:
             for eval_step, result in self.evaluator.close(wait=wait_eval):
                 self.ctx.record_eval(eval_step, result)
+        if self.remote_eval is not None:
+            self.remote_eval.release(stop=ended)
+        self.report_news()  # what happened since the last step
 
     def collect_evals(self) -> None:
         if self.evaluator is not None:
@@ -680,7 +703,7 @@ class AsyncMode:
         self.queue.max_policy_lag = spec.pipeline.max_policy_lag
         self.ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)
         if self.evaluator is None and spec.pipeline.eval_interval > 0:
-            self.evaluator = BackgroundEvaluator(lambda: _eval_engine(self.ctx), self.ctx.run_eval)
+            self.evaluator = self.remote_eval or BackgroundEvaluator(lambda: _eval_engine(self.ctx), self.ctx.run_eval)
 
     def tick(self) -> None:
         self.supervise()

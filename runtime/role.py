@@ -37,7 +37,7 @@ from runtime.control import Directive
 from runtime.reporting_http import SPOOL_FILE, HttpReporter, JsonPoster, PostError
 from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
 
-ROLES = ("trainer", "trainer-ranks", "rollout")
+ROLES = ("trainer", "trainer-ranks", "rollout", "evaluator")
 COMMANDS_FILE = "commands.jsonl"
 SPOOL_DIR = "spool"
 TOKEN_FILE = "token"
@@ -81,7 +81,8 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> RoleArgs:
     parser = _Parser(prog="python -m runtime role", allow_abbrev=False, description="run one role of a platform run")
     parser.add_argument(
-        "role", help="the role to run: trainer, trainer-ranks (its ranks on a further host), or rollout (remote)"
+        "role",
+        help="the role to run: trainer, trainer-ranks (its ranks on a further host), rollout or evaluator (remote)",
     )
     parser.add_argument("--spec", required=True, help="the run's resolved spec (YAML)")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics, spools and commands.jsonl go here")
@@ -481,6 +482,25 @@ def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
         try:
             instance = RemoteInstance(spec, index, log=_log)
             return instance.serve(workdir / ENDPOINT_FILE, env_key(), changed)
+        except RolloutRefused as exc:
+            raise RoleInputError(str(exc)) from None
+
+    return _beside_the_trainer(env, work)
+
+
+def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
+    """One attempt of the remote evaluator (runtime.evaluator_remote) under the platform: it finds the
+    trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
+    from runtime.evaluator_remote import EvaluatorProcess
+    from runtime.rollout_link import ENDPOINT_FILE, env_key
+    from runtime.rollout_remote import RolloutRefused
+
+    if not spec.resources.remote_evaluator:
+        raise RoleInputError("resources.remote_evaluator: false; this run evaluates inside its trainer")
+
+    def work(changed: Callable[[str], None]) -> int:
+        try:
+            return EvaluatorProcess(spec, log=_log).serve(workdir / ENDPOINT_FILE, env_key(), changed)
         except RolloutRefused as exc:
             raise RoleInputError(str(exc)) from None
 

@@ -1,4 +1,5 @@
-"""The network link between the trainer and remote rollout instances (async mode, other hosts).
+"""The network link between the trainer and remote rollout instances (async mode, other hosts),
+also used by a remote evaluator (:mod:`runtime.evaluator_remote`).
 
 A remote instance is a process of its own — under the platform a ``rollout-<i>`` role on another
 host (:mod:`runtime.rollout_remote`) — that runs the same :class:`~runtime.rollout_instance.RolloutInstance`
@@ -52,6 +53,9 @@ HANDSHAKE_S = 10.0  # a peer that does not answer the challenge in this long is 
 MAX_HANDSHAKES = 32  # connections authenticating at once; more are closed at once (a flood costs no threads)
 MAX_PROOF = 64  # bytes of a challenge or an answer: nothing longer is read before authentication
 MAGIC = b"tandem-rollout-1"
+# TCP keepalive on every link: a peer whose host vanished (no FIN, no RST) is found out within about
+# KEEPALIVE_IDLE_S + KEEPALIVE_COUNT x KEEPALIVE_INTERVAL_S instead of holding its place for ever
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
 
 
 class LinkError(RuntimeError):
@@ -140,6 +144,18 @@ def spec_digest(spec: Any) -> str:
 # ---- authentication ---------------------------------------------------------------------------------
 
 
+def keep_alive(sock: socket.socket) -> None:
+    """Probe an idle connection (see KEEPALIVE_IDLE_S); where the platform lacks the knobs, its defaults."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def _answer(conn: Connection, key: bytes) -> None:
     if not conn.poll(HANDSHAKE_S):
         raise LinkError("the peer sent no challenge")
@@ -166,6 +182,7 @@ def connect(
     Raises :class:`LinkError` (OSError when nothing listens there)."""
     sock = socket.create_connection((endpoint.address, endpoint.port), timeout=timeout)
     sock.settimeout(None)
+    keep_alive(sock)
     conn = Connection(sock.detach())
     try:
         _answer(conn, key)
@@ -304,6 +321,10 @@ class RemotePeer:
             self._weights = (version, blob)
             self._cond.notify()
 
+    def send(self, kind: str, payload: Any) -> None:
+        """Queue a message of another kind (the remote evaluator's requests), after the weights pushed."""
+        self._queue((kind, payload))
+
     def gone(self) -> None:
         """The receiver read end-of-file: the instance is gone."""
         self.disconnected = True
@@ -402,6 +423,7 @@ class RolloutListener:
 
     def _authenticate(self, sock: socket.socket) -> None:
         sock.settimeout(None)
+        keep_alive(sock)
         conn = Connection(sock.detach())
         try:
             _challenge(conn, self.key)

@@ -114,50 +114,9 @@ class RemoteInstance:
 
     def serve(self, endpoint_path: Path, key: bytes | None, status: Callable[[str], None] = lambda s: None) -> int:
         """Serve trainers until the run ends (0) or none is found for ``rollout_reconnect_s`` (3)."""
-        waited_since = time.monotonic()
-        said = ""
-
-        def say(message: str) -> None:  # a waiting loop logs changes, not every retry
-            nonlocal said
-            if message != said:
-                self.log(message)
-                said = message
-
-        status("waiting for the trainer")
-        while True:
-            endpoint = read_endpoint(endpoint_path)
-            if endpoint == "ended":
-                self.log("the run has ended")
-                return 0
-            if isinstance(endpoint, Endpoint):
-                use_key = key or endpoint.key
-                if use_key is None:
-                    raise RolloutRefused(f"{KEY_ENV}: not set, and {endpoint_path} carries no key")
-                try:
-                    conn, welcome = connect(endpoint, use_key, self.hello)
-                except Refused as exc:
-                    if not exc.retry:
-                        raise RolloutRefused(f"the trainer refused rank {self.rank}: {exc}") from None
-                    say(f"the trainer cannot take rank {self.rank} yet: {exc}")
-                except (OSError, EOFError, LinkError) as exc:
-                    say(f"no trainer at {endpoint.address}:{endpoint.port} yet ({type(exc).__name__}: {exc})")
-                else:
-                    self.log(f"rank {self.rank}: connected to the trainer at {endpoint.address}:{endpoint.port}")
-                    status("running")
-                    said = ""
-                    if self.session(conn, welcome):
-                        self.log("the trainer ended the run")
-                        return 0
-                    self.log("the trainer went away; waiting for it to come back")
-                    status("waiting for the trainer")
-                    waited_since = time.monotonic()
-                    continue
-            else:
-                say(f"waiting for the trainer's endpoint file {endpoint_path}")
-            if time.monotonic() - waited_since > self.spec.pipeline.rollout_reconnect_s:
-                self.log(f"no trainer for pipeline.rollout_reconnect_s={self.spec.pipeline.rollout_reconnect_s:g} s")
-                return EXIT_NO_TRAINER
-            time.sleep(RETRY_S)
+        return serve_trainers(
+            self.spec, endpoint_path, key, self.hello, f"rank {self.rank}", self.session, self.log, status
+        )
 
     def session(self, conn: Any, welcome: dict[str, Any]) -> bool:
         """Generate for one connected trainer; True when it ended the run, False when it went away."""
@@ -218,8 +177,68 @@ class RemoteInstance:
         return ended["stop"]
 
 
+def serve_trainers(
+    spec: Any,
+    endpoint_path: Path,
+    key: bytes | None,
+    hello: dict[str, Any],
+    who: str,
+    session: Callable[[Any, dict[str, Any]], bool],
+    log: Callable[[str], None],
+    status: Callable[[str], None],
+) -> int:
+    """Find the trainer through the endpoint file, connect as ``who`` with ``hello`` and run ``session``
+    (True: the trainer ended the run) — again and again while trainers come back, each time within
+    ``pipeline.rollout_reconnect_s``. Returns 0 when the run ended, :data:`EXIT_NO_TRAINER` when no
+    trainer came back; a refusal for good raises :class:`RolloutRefused`."""
+    waited_since = time.monotonic()
+    said = ""
+
+    def say(message: str) -> None:  # a waiting loop logs changes, not every retry
+        nonlocal said
+        if message != said:
+            log(message)
+            said = message
+
+    status("waiting for the trainer")
+    while True:
+        endpoint = read_endpoint(endpoint_path)
+        if endpoint == "ended":
+            log("the run has ended")
+            return 0
+        if isinstance(endpoint, Endpoint):
+            use_key = key or endpoint.key
+            if use_key is None:
+                raise RolloutRefused(f"{KEY_ENV}: not set, and {endpoint_path} carries no key")
+            try:
+                conn, welcome = connect(endpoint, use_key, hello)
+            except Refused as exc:
+                if not exc.retry:
+                    raise RolloutRefused(f"the trainer refused {who}: {exc}") from None
+                say(f"the trainer cannot take {who} yet: {exc}")
+            except (OSError, EOFError, LinkError) as exc:
+                say(f"no trainer at {endpoint.address}:{endpoint.port} yet ({type(exc).__name__}: {exc})")
+            else:
+                log(f"{who}: connected to the trainer at {endpoint.address}:{endpoint.port}")
+                status("running")
+                said = ""
+                if session(conn, welcome):
+                    log("the trainer ended the run")
+                    return 0
+                log("the trainer went away; waiting for it to come back")
+                status("waiting for the trainer")
+                waited_since = time.monotonic()
+                continue
+        else:
+            say(f"waiting for the trainer's endpoint file {endpoint_path}")
+        if time.monotonic() - waited_since > spec.pipeline.rollout_reconnect_s:
+            log(f"no trainer for pipeline.rollout_reconnect_s={spec.pipeline.rollout_reconnect_s:g} s")
+            return EXIT_NO_TRAINER
+        time.sleep(RETRY_S)
+
+
 def endpoint_path(spec: Any, given: str | None = None) -> Path:
     return Path(given) if given else spec.resolved_output_dir() / ENDPOINT_FILE
 
 
-__all__ = ["EXIT_NO_TRAINER", "NetSubscriber", "RemoteInstance", "RolloutRefused", "endpoint_path"]
+__all__ = ["EXIT_NO_TRAINER", "NetSubscriber", "RemoteInstance", "RolloutRefused", "endpoint_path", "serve_trainers"]

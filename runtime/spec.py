@@ -251,6 +251,11 @@ class ResourcesSpec(_Section):
         le=64,
         description="Async: the evaluator gets its own device (after the rollout ones); 0 = the trainer's.",
     )
+    remote_evaluator: bool = Field(
+        False,
+        description="Async: the evaluator runs as a process of its own (another host), one device; "
+        "it connects to the trainer like a remote rollout instance.",
+    )
     threads_per_process: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
     max_restarts: int = Field(
         3, ge=0, le=1000, description="Platform: restarts of the trainer (from its last checkpoint) before FAILED."
@@ -265,7 +270,8 @@ class ResourcesSpec(_Section):
     @property
     def total_devices(self) -> int:
         """Devices admission must find for this run, all or nothing."""
-        return self.trainer_devices + self.rollout_devices + self.eval_devices + self.remote_rollout_workers
+        remote = self.remote_rollout_workers + int(self.remote_evaluator)
+        return self.trainer_devices + self.rollout_devices + self.eval_devices + remote
 
     @property
     def all_rollout_workers(self) -> int:
@@ -353,6 +359,21 @@ class RunSpec(_Section):
                 {
                     "field": "resources.remote_rollout_workers",
                     "message": f"remote rollout instances need pipeline.mode async, not {self.pipeline.mode}",
+                }
+            )
+        if r.remote_evaluator and self.pipeline.mode != "async":
+            errors.append(
+                {
+                    "field": "resources.remote_evaluator",
+                    "message": f"a remote evaluator needs pipeline.mode async, not {self.pipeline.mode}",
+                }
+            )
+        if r.remote_evaluator and r.eval_devices:
+            errors.append(
+                {
+                    "field": "resources.eval_devices",
+                    "message": f"{r.eval_devices} devices for an evaluator on the trainer's host, "
+                    "but resources.remote_evaluator puts it on a device of its own elsewhere: set one",
                 }
             )
         if r.rollout_workers == 0 and not (r.remote_rollout_workers and self.pipeline.mode == "async"):

@@ -580,3 +580,110 @@ def test_a_preempted_run_with_a_remote_rollout_role_resumes_with_every_role(plat
     assert CheckpointRecord.objects.filter(run=run, attempt=0, step=resumed.payload["step"]).exists()
     live = sorted(MetricPoint.objects.filter(run=run).live().values_list("step", flat=True))
     assert live == list(range(1, live[-1] + 1))
+
+
+# --- the remote evaluator: a role of its own, like a rollout role ---------------------------------------
+
+
+def test_a_remote_evaluator_gets_a_device_and_a_role_of_its_own(two_hosts, owner, django_capture_on_commit_callbacks):
+    run, _ = handler.submit_run(owner, two_hosts, remote_spec(1, remote_evaluator="true"))
+    assert run.devices_requested == 3
+    trainer, sent = launch_captured(run, django_capture_on_commit_callbacks)
+    roles = _roles(run)
+    assert {name: (r.host.name, r.device_indices) for name, r in roles.items()} == {
+        "trainer-0": ("pair-h1", [0]),
+        "rollout-0": ("pair-h1", [1]),
+        "evaluator": ("pair-h2", [0]),
+    }
+    assert len(sent) == 3
+    path = launch.run_dir(run.pk) / "spec.yaml"
+    assert supervisor._command(roles["evaluator"], path)[4] == "evaluator"
+    env = supervisor._role_env(run, roles["evaluator"], "tdr_x")
+    assert env["TANDEM_ROLLOUT_KEY"] == supervisor.rollout_key(run.pk) and env["TANDEM_ROLE"] == "evaluator"
+
+
+def test_a_run_with_only_a_remote_evaluator_shares_the_key_with_it(
+    two_hosts, owner, django_capture_on_commit_callbacks
+):
+    spec = remote_spec(0, remote_evaluator="true").replace("rollout_workers: 0\n", "rollout_workers: 1\n", 1)
+    run, _ = handler.submit_run(owner, two_hosts, spec)
+    launch_captured(run, django_capture_on_commit_callbacks)
+    roles = _roles(run)
+    assert sorted(roles) == ["evaluator", "trainer-0"]
+    keys = {supervisor._role_env(run, role, "tdr_x")["TANDEM_ROLLOUT_KEY"] for role in roles.values()}
+    assert len(keys) == 1
+
+
+def test_a_crashed_evaluator_restarts_while_the_run_goes_on_until_its_budget_is_spent(
+    running, django_capture_on_commit_callbacks
+):
+    run, roles = running(1, remote_evaluator="true", rollout_restarts=1)
+    evaluator = roles["evaluator"]
+    decision, sent = _exit(evaluator, 1, capture=django_capture_on_commit_callbacks)
+    assert (decision, len(sent)) == ("restarting", 1)
+    assert _snapshot(evaluator)[:3] == (R.PENDING, 1, 1)
+    assert _state(run) == RunState.RUNNING
+    RunRole.objects.filter(pk=evaluator.pk).update(state=R.RUNNING)
+    assert _exit(evaluator, 1)[0] == "failed"
+    assert _state(run) == RunState.FAILED
+    assert run.reason == "evaluator failed after 1 restarts: exit code 1"
+
+
+def test_an_evaluator_that_exits_zero_is_done(running):
+    run, roles = running(1, remote_evaluator="true")
+    assert _exit(roles["evaluator"], 0)[0] == "done"
+    assert _state(run) == RunState.RUNNING
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_remote_evaluator_role_evaluates_for_the_trainer_and_is_restarted_after_a_kill(platform, cluster):
+    """trainer-0 and the evaluator role on this host's two devices: the evaluator's results arrive as the
+    run's eval metrics; its process is SIGKILLed, the platform restarts it while the run goes on, and
+    evaluations arrive again; then the run is stopped and the evaluator leaves with exit 0."""
+    import os
+    import signal
+    from pathlib import Path
+
+    import yaml
+
+    from jobs.client import TandemClient
+    from jobs.models import MetricPoint, RoleHeartbeat, Run
+    from tests.launch.helpers import wait_for
+
+    spec = e2e_spec("remote-eval", {"rollout_workers": 1, "remote_evaluator": True}, {"interval": 0})
+    spec["pipeline"]["eval_interval"] = 2
+    api = TandemClient(platform.url, cluster["token"])
+    created, body = api.submit("e2e", yaml.safe_dump(spec))
+    assert created, body
+    run = Run.objects.get(pk=body["id"])
+    logs = platform.logs
+
+    def evaluations() -> int:
+        return MetricPoint.objects.filter(run=run, metrics__has_key="eval/accuracy").count()
+
+    def serving(attempt: int, after: int):
+        assert _state(run) in (RunState.ADMITTED, RunState.STARTING, RunState.RUNNING), run.reason
+        role = RunRole.objects.filter(run=run, name="evaluator", attempt=attempt, state=R.RUNNING).first()
+        beat = RoleHeartbeat.objects.filter(run=run, role="evaluator", attempt=attempt, status="running").exists()
+        return role is not None and beat and evaluations() > after and role
+
+    victim = wait_for(lambda: serving(0, 0), "the evaluator's first results", RUN_S, logs)
+    before = evaluations()
+    children = Path(f"/proc/{victim.pid}/task/{victim.pid}/children").read_text().split()
+    os.kill(int(children[0]), signal.SIGKILL)  # the runtime process, under its wrapper
+    wait_for(lambda: serving(1, before), "the restarted evaluator's results", RUN_S, logs)
+
+    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
+    assert status == 201, body
+    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs)
+    assert run.state == RunState.COMPLETED, run.reason
+    wait_for(
+        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(), "every role to end", 60, logs
+    )
+    assert {r.name: (r.attempt, r.restarts, r.exit_code) for r in _roles(run).values()} == {
+        "trainer-0": (0, 0, 0),
+        "evaluator": (1, 1, 0),  # restarted once, then released by the trainer
+    }
+    connected = RunEvent.objects.filter(run=run, role="trainer-0", kind="evaluator_connected").count()
+    assert connected == 2

@@ -81,8 +81,8 @@ def test_an_invalid_variable_is_named(env, capsys, spec_file, tmp_path, name, va
         ([], "error: the following arguments are required: role, --spec, --workdir"),
         (["trainer", "--spec", "SPEC"], "error: the following arguments are required: --workdir"),
         (
-            ["evaluator", "--spec", "SPEC", "--workdir", "WORK"],
-            "error: role: 'evaluator' is not one of trainer, trainer-ranks, rollout",
+            ["judge", "--spec", "SPEC", "--workdir", "WORK"],
+            "error: role: 'judge' is not one of trainer, trainer-ranks, rollout, evaluator",
         ),
         (
             ["rollout", "--spec", "SPEC", "--workdir", "WORK"],
@@ -125,6 +125,12 @@ def test_trainer_ranks_of_a_further_host_are_checked_with_the_variable_named(env
     env.setenv("TANDEM_ROLE", "trainer-1")
     code, lines = _role(capsys, "trainer-ranks", "--spec", str(spec_file), "--workdir", str(tmp_path / "work"))
     assert (code, lines) == (2, [f"error: {message}"])
+
+
+def test_an_evaluator_role_of_a_run_that_evaluates_inside_its_trainer_is_bad_input(env, capsys, spec_file, tmp_path):
+    env.setenv("TANDEM_ROLE", "evaluator")
+    code, lines = _role(capsys, "evaluator", "--spec", str(spec_file), "--workdir", str(tmp_path / "work"))
+    assert (code, lines) == (2, ["error: resources.remote_evaluator: false; this run evaluates inside its trainer"])
 
 
 def test_a_missing_spec_file_is_named(env, capsys, tmp_path):

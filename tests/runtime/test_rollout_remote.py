@@ -410,3 +410,32 @@ def test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart(t
         assert read_endpoint(tmp_path / "fails" / ENDPOINT_FILE) not in (None, "ended")
     finally:
         remote.kill()
+
+
+def test_both_ends_of_a_link_probe_a_silent_peer_with_tcp_keepalive():
+    """A peer whose host vanished sends no FIN: keepalive probes find it out instead of it holding its rank."""
+    accepted = []
+
+    def admit(conn, hello):
+        accepted.append(conn)
+        conn.send(("welcome", {}))
+
+    listener = RolloutListener("127.0.0.1:0", b"k", admit)
+    listener.start()
+    try:
+        conn, _ = connect(Endpoint("127.0.0.1", listener.port, "n"), b"k", {"rank": 0})
+        deadline = time.monotonic() + 5
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for end in (conn, accepted[0]):
+            sock = socket.socket(fileno=os.dup(end.fileno()))
+            try:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            finally:
+                sock.close()
+        conn.close()
+        accepted[0].close()
+    finally:
+        listener.close()
