@@ -52,3 +52,25 @@ def e2e_spec(name: str, resources: dict, checkpoint: dict, **sections) -> dict:
         "metrics": {"progress_bar": False},
         **sections,
     }
+
+
+def stop_and_wait_for_the_end(api, run, logs: list[Path], timeout: float) -> None:
+    """Send the run a stop command through the API; wait until the run is COMPLETED (the trainer took
+    the command) and every one of its roles has exited."""
+    from jobs.models import Command, RunRole
+    from jobs.models import RoleState as R
+    from jobs.states import RunState
+
+    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
+    assert status == 201, body
+
+    def ended() -> bool:
+        run.refresh_from_db()
+        return run.state in (RunState.COMPLETED, RunState.FAILED)
+
+    wait_for(ended, "the run to end", timeout, logs)
+    assert run.state == RunState.COMPLETED, run.reason
+    assert Command.objects.get(pk=body["id"]).state == "done"  # trainer-0 took it, not another role
+    wait_for(
+        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(), "every role to end", 60, logs
+    )

@@ -19,7 +19,7 @@ from jobs.models import Allocation, RunEvent, RunRole
 from jobs.models import RoleState as R
 from jobs.states import RunState
 from rlplatform.models import HostStatus
-from tests.launch.helpers import e2e_spec, launch_captured, start_tasks
+from tests.launch.helpers import e2e_spec, launch_captured, start_tasks, stop_and_wait_for_the_end
 
 
 def remote_spec(workers: int = 2, *, trainer_devices: int = 1, name: str = "remote", **resources) -> str:
@@ -469,7 +469,7 @@ def test_a_run_with_remote_rollout_roles_on_two_hosts_goes_on_through_a_killed_r
     import yaml
 
     from jobs.client import TandemClient
-    from jobs.models import Command, Experiment, MetricPoint, RoleHeartbeat, Run
+    from jobs.models import Experiment, MetricPoint, RoleHeartbeat, Run
     from rlplatform.models import Quota
     from tests.launch.helpers import wait_for
 
@@ -509,17 +509,7 @@ def test_a_run_with_remote_rollout_roles_on_two_hosts_goes_on_through_a_killed_r
     os.kill(int(children[0]), signal.SIGKILL)  # the runtime process, under its wrapper
     wait_for(lambda: serving(1), "the restarted rollout-1 to reconnect", RUN_S, logs + role_logs())
 
-    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
-    assert status == 201, body
-    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs + role_logs())
-    assert run.state == RunState.COMPLETED, run.reason
-    assert Command.objects.get(pk=body["id"]).state == "done"  # the trainer took it, not a rollout role
-    wait_for(
-        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(),
-        "every role to end",
-        60,
-        logs + role_logs(),
-    )
+    stop_and_wait_for_the_end(api, run, logs + role_logs(), RUN_S)
     ended = {r.name: (r.attempt, r.restarts, r.exit_code, r.host.name) for r in _roles(run).values()}
     assert ended == {
         "trainer-0": (0, 0, 0, platform.host_name),  # the trainer never went down
@@ -565,13 +555,7 @@ def test_a_preempted_run_with_a_remote_rollout_role_resumes_with_every_role(plat
         RUN_S,
         logs,
     )
-    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
-    assert status == 201, body
-    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs)
-    assert run.state == RunState.COMPLETED, run.reason
-    wait_for(
-        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(), "every role to end", 60, logs
-    )
+    stop_and_wait_for_the_end(api, run, logs, RUN_S)
     assert {r.name: (r.attempt, r.restarts, r.exit_code) for r in _roles(run).values()} == {
         "trainer-0": (1, 0, 0),  # a preemption is not a failure
         "rollout-0": (1, 0, 0),
@@ -674,13 +658,7 @@ def test_a_remote_evaluator_role_evaluates_for_the_trainer_and_is_restarted_afte
     os.kill(int(children[0]), signal.SIGKILL)  # the runtime process, under its wrapper
     wait_for(lambda: serving(1, before), "the restarted evaluator's results", RUN_S, logs)
 
-    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
-    assert status == 201, body
-    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs)
-    assert run.state == RunState.COMPLETED, run.reason
-    wait_for(
-        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(), "every role to end", 60, logs
-    )
+    stop_and_wait_for_the_end(api, run, logs, RUN_S)
     assert {r.name: (r.attempt, r.restarts, r.exit_code) for r in _roles(run).values()} == {
         "trainer-0": (0, 0, 0),
         "evaluator": (1, 1, 0),  # restarted once, then released by the trainer

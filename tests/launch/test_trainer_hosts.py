@@ -243,9 +243,9 @@ def test_trainer_ranks_on_two_hosts_train_as_one_and_restart_together_after_a_de
     import yaml
 
     from jobs.client import TandemClient
-    from jobs.models import CheckpointRecord, Command, Experiment, MetricPoint, RoleHeartbeat, Run
+    from jobs.models import CheckpointRecord, Experiment, MetricPoint, RoleHeartbeat, Run
     from rlplatform.models import Quota
-    from tests.launch.helpers import e2e_spec, wait_for
+    from tests.launch.helpers import e2e_spec, stop_and_wait_for_the_end, wait_for
 
     quota = Quota.objects.create(
         team=cluster["team"], group=cluster["group"], name="ranks", max_devices=3, max_concurrent_runs=1
@@ -288,14 +288,7 @@ def test_trainer_ranks_on_two_hosts_train_as_one_and_restart_together_after_a_de
     os.kill(ranks[0], signal.SIGKILL)  # rank 2 dies
     wait_for(lambda: training(1), "the trainer roles to restart together", RUN_S, logs + role_logs())
 
-    status, body = api.request("POST", f"/api/runs/{run.pk}/commands/", {"kind": "stop", "args": {}})
-    assert status == 201, body
-    wait_for(lambda: _state(run) in (RunState.COMPLETED, RunState.FAILED), "the run to end", RUN_S, logs + role_logs())
-    assert run.state == RunState.COMPLETED, run.reason
-    assert Command.objects.get(pk=body["id"]).state == "done"
-    wait_for(
-        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(), "every role to end", 60, logs
-    )
+    stop_and_wait_for_the_end(api, run, logs + role_logs(), RUN_S)
     ended = {r.name: (r.attempt, r.restarts, r.exit_code, r.host.name) for r in _roles(run).values()}
     assert ended == {
         "trainer-0": (1, 1, 0, platform.host_name),
