@@ -1,12 +1,14 @@
 """A rollout instance across the network link vs the same instance on the trainer's host, in one run.
 
-The same async spec runs twice per round: (a) one local rollout instance (a child of the trainer:
-weights through shared memory, samples through a pipe, large messages in shared memory) and (b) one
-remote instance (``python -m runtime rollout``, a process of its own connected over TCP on
-localhost: weights pushed as safetensors bytes every version, samples inline). Figures per run,
-from the steps after the first ``--skip`` (start-up excluded): samples/s, the trainer's bubble
-(time it waited for data) and its weight-sync time per step; then the remote / local ratio of
-samples/s. Rounds alternate (a) and (b); the best round of each counts (the machine is shared).
+The same async spec runs three times per round: (a) one local rollout instance (a child of the
+trainer: weights through shared memory, samples through a pipe, large messages in shared memory),
+(b) one remote instance (``python -m runtime rollout``, a process of its own connected over TCP on
+localhost: weights pushed as safetensors bytes every version, samples inline) and (c) the same remote
+instance with ``pipeline.remote_weight_sync: broadcast`` (weights by a torch.distributed broadcast in a
+gloo group of its own). Figures per run, from the steps after the first ``--skip`` (start-up
+excluded): samples/s, the trainer's bubble (time it waited for data) and its weight-sync time per
+step; then the remote / local and broadcast / link ratios of samples/s. Rounds alternate (a), (b),
+(c); the best round of each counts (the machine is shared).
 
     .venv/bin/python bench/remote_rollout.py --quick
     .venv/bin/python bench/remote_rollout.py --model small-qwen2 --steps 40 --rounds 2
@@ -34,9 +36,10 @@ from runtime.pipeline import run  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
 
 
-def spec_data(out: Path, args: argparse.Namespace, remote: bool) -> dict:
+def spec_data(out: Path, args: argparse.Namespace, kind: str) -> dict:
+    remote = kind != "local"
     return {
-        "name": "remote" if remote else "local",
+        "name": kind,
         "seed": 0,
         "output_dir": str(out / "{name}"),
         "model": {"builtin": args.model},
@@ -50,6 +53,7 @@ def spec_data(out: Path, args: argparse.Namespace, remote: bool) -> dict:
             "max_policy_lag": 1,
             "eval_interval": 0,
             "rollout_listen": "127.0.0.1:0",
+            "remote_weight_sync": "broadcast" if kind == "broadcast" else "link",
         },
         "resources": {
             "rollout_workers": 0 if remote else 1,
@@ -61,12 +65,11 @@ def spec_data(out: Path, args: argparse.Namespace, remote: bool) -> dict:
     }
 
 
-def one_run(out: Path, args: argparse.Namespace, remote: bool) -> dict:
-    data = spec_data(out, args, remote)
-    spec = load_spec(data)
+def one_run(out: Path, args: argparse.Namespace, kind: str) -> dict:
+    spec = load_spec(spec_data(out, args, kind))
     proc = None
-    if remote:
-        path = out / "remote.yaml"
+    if kind != "local":
+        path = out / f"{kind}.yaml"
         path.write_text(yaml.safe_dump(spec.resolved()))
         env = {**os.environ, "TANDEM_ROLLOUT_KEY": "bench-" + "k" * 40}
         os.environ["TANDEM_ROLLOUT_KEY"] = env["TANDEM_ROLLOUT_KEY"]
@@ -108,7 +111,7 @@ def weight_bytes(model: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, one round of 14 steps each: under a minute")
+    ap.add_argument("--quick", action="store_true", help="tiny model, one round of 12 steps each: under a minute")
     ap.add_argument("--model", default="tiny-qwen2")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=4, help="first steps not counted (start-up)")
@@ -116,28 +119,28 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args()
     if args.quick:
-        args.model, args.steps, args.rounds = "tiny-qwen2", 14, 1
+        args.model, args.steps, args.rounds = "tiny-qwen2", 12, 1
     best: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         for r in range(args.rounds):
-            for remote in (False, True):
+            for kind in ("local", "remote", "broadcast"):
                 out = Path(tmp) / f"round-{r}"
                 out.mkdir(exist_ok=True)
-                got = one_run(out, args, remote)
-                kind = "remote" if remote else "local"
+                got = one_run(out, args, kind)
                 print(
-                    f"round {r + 1} {kind:<6}: {got['samples_per_s']:.1f} samples/s, trainer bubble "
+                    f"round {r + 1} {kind:<9}: {got['samples_per_s']:.1f} samples/s, trainer bubble "
                     f"{got['bubble']:.2f}, weight sync {got['weight_sync_ms']:.2f} ms/step, "
                     f"answers {got['response_len']:.1f} tokens"
                 )
                 if kind not in best or got["samples_per_s"] > best[kind]["samples_per_s"]:
                     best[kind] = got
     ratio = best["remote"]["samples_per_s"] / best["local"]["samples_per_s"]
+    by_broadcast = best["broadcast"]["samples_per_s"] / best["remote"]["samples_per_s"]
     size = weight_bytes(args.model)
     load = os.getloadavg()[0]
     print(
-        f"{args.model}: remote / local samples/s {ratio:.2f}x (weights {size / 1e6:.1f} MB per version, "
-        f"pushed every step); load average {load:.2f}"
+        f"{args.model}: remote / local samples/s {ratio:.2f}x, broadcast / link {by_broadcast:.2f}x "
+        f"(weights {size / 1e6:.1f} MB per version, pushed every step); load average {load:.2f}"
     )
     print(
         json.dumps(
@@ -149,7 +152,9 @@ def main() -> None:
                 "weight_bytes": size,
                 "local": {k: round(v, 4) for k, v in best["local"].items()},
                 "remote": {k: round(v, 4) for k, v in best["remote"].items()},
+                "broadcast": {k: round(v, 4) for k, v in best["broadcast"].items()},
                 "remote_over_local": round(ratio, 3),
+                "broadcast_over_link": round(by_broadcast, 3),
                 "load_avg_1m": round(load, 2),
             }
         )

@@ -270,6 +270,7 @@ class AsyncMode:
         self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.G))
         self.restarts = [0] * spec.resources.rollout_workers  # of each local instance
         self.listener: Any = None  # accepts remote instances (resources.remote_rollout_workers)
+        self.endpoint_address = ""  # the address the listener advertises
         self.blobs = WeightBlobs()
         self.closing = False
         self.news: list[tuple[str, dict[str, Any]]] = []  # events of other threads, reported by the main one
@@ -345,6 +346,7 @@ class AsyncMode:
             key if drawn else None,
         )
         write_endpoint(self.ctx.out_dir / ENDPOINT_FILE, endpoint)
+        self.endpoint_address = endpoint.address
         self.listener.start()
         self.ctx.reporters.event("rollout_listening", {"address": endpoint.address, "port": endpoint.port})
 
@@ -369,14 +371,21 @@ class AsyncMode:
                 return "the trainer is shutting down", True
             if any(s.rank == rank and not s.handled for s in self.st.slots):
                 return f"rank {rank} is still connected", True
-            conn.send(("welcome", {"epoch": int(self.flags[EPOCH])}))
-            peer = RemotePeer(conn, rank, int(hello.get("pid") or 0), str(hello.get("host") or "?"))
+            welcome: dict[str, Any] = {"epoch": int(self.flags[EPOCH])}
+            broadcast = self.broadcast_sender()
+            if broadcast is not None:
+                welcome["broadcast"] = {**broadcast.welcome, "address": self.endpoint_address}
+            conn.send(("welcome", welcome))
+            peer = RemotePeer(conn, rank, int(hello.get("pid") or 0), str(hello.get("host") or "?"), broadcast)
             self.st.slots.append(_Slot(rank, peer, peer, conn, remote=True))
             self.st.dispatcher.restore(rank)
             # a version published from now on is pushed by push_weights; this one is the current
             version = self.ctx.weights.version
             self.push_to(peer, version, self.ctx.weights.state(version))
-            self.news.append(("rollout_connected", {"rank": rank, "host": peer.host, "pid": peer.pid}))
+            sync = "broadcast" if broadcast is not None else "link"
+            self.news.append(
+                ("rollout_connected", {"rank": rank, "host": peer.host, "pid": peer.pid, "weight_sync": sync})
+            )
         return None
 
     def tell(self, kind: str, payload: dict[str, Any]) -> None:
@@ -391,7 +400,17 @@ class AsyncMode:
             self.push_to(peer, version, state)
 
     def push_to(self, peer: Any, version: int, state: dict[str, torch.Tensor]) -> None:
-        peer.push_weights(version, lambda: self.blobs.get(version, state))
+        peer.push_weights(version, lambda: self.blobs.get(version, state), state)
+
+    def broadcast_sender(self) -> Any:
+        """With pipeline.remote_weight_sync broadcast: a new connection's end of its own process group."""
+        if self.ctx.spec.pipeline.remote_weight_sync != "broadcast":
+            return None
+        from runtime.devices import dist_backend
+        from runtime.weight_broadcast import BroadcastSender
+
+        spec = self.ctx.spec
+        return BroadcastSender(dist_backend(spec.resources.device), self.ctx.device, spec.rollout.hang_timeout_s)
 
     def supervise(self) -> None:
         """Fail on a rollout error; replace a rollout process that died or went silent, issuing its work again."""

@@ -6,8 +6,10 @@ host (:mod:`runtime.rollout_remote`) — that runs the same :class:`~runtime.rol
 loop as a local one. What a local instance gets from its parent (a work queue, a result pipe, the
 shared-memory weight buffer, the shared STOP/EPOCH flags) travels over one TCP connection instead:
 
-    trainer -> instance: ("welcome", info) or ("refused", reason), then ("weights", (version, blob)),
-                         ("work", (epoch, entries)), ("epoch", n), ("stop", None)
+    trainer -> instance: ("welcome", info) or ("refused", reason), then ("weights", (version, blob))
+                         or, with pipeline.remote_weight_sync broadcast, ("weights_bcast", (version,
+                         manifest)) followed by the tensors on a process group of its own
+                         (runtime.weight_broadcast), ("work", (epoch, entries)), ("epoch", n), ("stop", None)
     instance -> trainer: ("hello", {rank, pid, host, digest}), then the local protocol
                          ("ready", "beat", "samples", "error", "exit"; samples always inline)
 
@@ -264,11 +266,12 @@ class RemotePeer:
     the trainer; weights wait in one newest-wins slot and go before any message queued after them.
     """
 
-    def __init__(self, conn: Connection, rank: int, pid: int, host: str):
+    def __init__(self, conn: Connection, rank: int, pid: int, host: str, broadcast: Any = None):
         self.conn, self.rank, self.pid, self.host = conn, rank, pid, host
+        self.broadcast = broadcast  # a runtime.weight_broadcast.BroadcastSender: weights go by broadcast
         self._cond = threading.Condition()
         self._outbox: deque[tuple[str, Any]] = deque()
-        self._weights: tuple[int, Callable[[], bytes]] | None = None
+        self._weights: tuple[int, Callable[[], bytes], dict[str, torch.Tensor] | None] | None = None
         self._closing = False
         self._stopping = False  # a stop is on its way: the instance ends the connection itself
         self.disconnected = False
@@ -316,14 +319,26 @@ class RemotePeer:
     def set_epoch(self, epoch: int) -> None:
         self._queue(("epoch", epoch))
 
-    def push_weights(self, version: int, blob: Callable[[], bytes]) -> None:
+    def push_weights(
+        self, version: int, blob: Callable[[], bytes], state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Send ``version`` (newest wins): ``blob()`` on the link, or ``state`` by broadcast."""
         with self._cond:
-            self._weights = (version, blob)
+            self._weights = (version, blob, state)
             self._cond.notify()
 
     def send(self, kind: str, payload: Any) -> None:
         """Queue a message of another kind (the remote evaluator's requests), after the weights pushed."""
         self._queue((kind, payload))
+
+    def _send_weights(self, version: int, blob: Callable[[], bytes], state: dict[str, torch.Tensor] | None) -> None:
+        if self.broadcast is None or state is None:
+            self.conn.send(("weights", (version, blob())))
+            return
+        from runtime.weight_broadcast import manifest_of
+
+        self.conn.send(("weights_bcast", (version, manifest_of(state))))
+        self.broadcast.send(state)
 
     def gone(self) -> None:
         """The receiver read end-of-file: the instance is gone."""
@@ -350,11 +365,13 @@ class RemotePeer:
                     break  # closing, and everything queued is sent
             try:
                 if weights is not None:
-                    version, blob = weights
-                    self.conn.send(("weights", (version, blob())))
+                    self._send_weights(*weights)
                 else:
                     self.conn.send(msg)
             except (OSError, ValueError):  # the connection is gone: the receiver sees it too
+                return
+            except RuntimeError:  # a broadcast failed: the instance is gone or stuck; end the link
+                shutdown_socket(self.conn)
                 return
         if self.disconnected:
             return

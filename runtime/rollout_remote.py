@@ -128,6 +128,7 @@ class RemoteInstance:
         sub = NetSubscriber()
         ended = {"stop": False, "gone": False}
         self.engine.update_weights(None, -1)  # no work runs before this trainer's weights arrive
+        broadcast = _broadcast_receiver_for(self.spec, self.device, welcome.get("broadcast"))
 
         def receive() -> None:
             try:
@@ -138,13 +139,16 @@ class RemoteInstance:
                     elif kind == "weights":
                         version, blob = payload
                         sub.offer(version, decode_weights(blob))
+                    elif kind == "weights_bcast" and broadcast is not None:
+                        version, manifest = payload
+                        sub.offer(version, broadcast.receive(manifest))
                     elif kind == "epoch":
                         flags[EPOCH] = int(payload)
                     elif kind == "stop":
                         ended["stop"] = True
                         flags[STOP] = 1
                         return
-            except (EOFError, OSError):
+            except (EOFError, OSError, RuntimeError):  # RuntimeError: a broadcast failed with the trainer
                 ended["gone"] = True
             finally:
                 work_q.put(None)  # wake the loop
@@ -175,6 +179,17 @@ class RemoteInstance:
             receiver.join(timeout=10)
             conn.close()
         return ended["stop"]
+
+
+def _broadcast_receiver_for(spec: Any, device: torch.device, info: dict[str, Any] | None) -> Any:
+    """The welcome's broadcast group (pipeline.remote_weight_sync broadcast), or None: weights on the link."""
+    if not info:
+        return None
+    from runtime.devices import dist_backend
+    from runtime.weight_broadcast import BroadcastReceiver
+
+    backend = dist_backend(spec.resources.device)
+    return BroadcastReceiver(str(info["address"]), info, backend, device, spec.rollout.hang_timeout_s)
 
 
 def serve_trainers(

@@ -214,6 +214,11 @@ class PipelineSpec(_Section):
     rollout_reconnect_s: float = Field(
         600.0, gt=0, le=86_400, description="A remote rollout instance waits this long for a trainer before exiting."
     )
+    remote_weight_sync: Literal["link", "broadcast"] = Field(
+        "link",
+        description="How weights reach remote rollout instances: link (safetensors bytes on their TCP link) or "
+        "broadcast (torch.distributed, a process group of its own per instance: gloo / NCCL / HCCL).",
+    )
 
     @field_validator("rollout_listen")
     @classmethod
