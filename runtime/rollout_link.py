@@ -352,6 +352,13 @@ class RemotePeer:
                 self._cond.notify()
 
     def _send_loop(self) -> None:
+        try:
+            self._sending()
+        finally:
+            if self.broadcast is not None:  # the connection's process group and store end with it
+                self.broadcast.close()
+
+    def _sending(self) -> None:
         while True:
             with self._cond:
                 while not self._outbox and self._weights is None and not self._closing:

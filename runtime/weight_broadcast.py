@@ -54,12 +54,16 @@ class BroadcastSender:
         self.backend, self.device = backend, device
         self.timeout = timedelta(seconds=timeout_s)
         self.prefix = secrets.token_hex(16)
-        self.store = dist.TCPStore("0.0.0.0", 0, 2, True, timeout=self.timeout, wait_for_workers=False)
+        self.store: Any = dist.TCPStore("0.0.0.0", 0, 2, True, timeout=self.timeout, wait_for_workers=False)
         self.group: Any = None
 
     @property
     def welcome(self) -> dict[str, Any]:
         return {"port": self.store.port, "prefix": self.prefix}
+
+    def close(self) -> None:
+        """Drop the group and the store (its port closes): the connection is over."""
+        self.group = self.store = None
 
     def send(self, state: dict[str, torch.Tensor]) -> None:
         """Broadcast ``state``'s tensors in manifest order (after announcing it on the link)."""

@@ -8,6 +8,7 @@ trainer resumed from its checkpoint. Every group is accounted for exactly once t
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -474,6 +475,12 @@ def test_a_broadcast_group_of_its_own_delivers_every_tensor_bit_for_bit():
             assert got[name].dtype == sent[name].dtype and torch.equal(got[name], sent[name])
     # each connection's group meets under a key prefix of its own, sent only on the authenticated link
     assert sender.welcome["prefix"] != BroadcastSender("gloo", torch.device("cpu"), 5).prefix
+    # and its store closes with the connection (no port left open per reconnect)
+    port = sender.store.port
+    sender.close()
+    gc.collect()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 @pytest.mark.slow
