@@ -11,6 +11,7 @@ in static batches (longest first) whose rows stop at their own lengths. Usage:
 
     .venv/bin/python bench/engine.py --quick
     .venv/bin/python bench/engine.py --models tiny-qwen2 small-qwen2 --batch 32 --max-new-tokens 128
+    .venv/bin/python bench/engine.py --quick --one-range   # without the engine's length-aware attention split
 
 The last line printed is one JSON object with every figure.
 """
@@ -31,6 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.models import build_policy  # noqa: E402
 from runtime.rollout import Engine, SamplingParams  # noqa: E402
 from runtime.spec import ModelSpec  # noqa: E402
+
+ONE_RANGE = False  # --one-range: the engine's attention without row ranges or prefill blocks
+
+
+def make_engine(model, tok, slots: int) -> Engine:
+    engine = Engine(model, tok, "cpu", max_batch_size=slots, max_batch_tokens=1 << 30)
+    if ONE_RANGE and engine.runner.name == "fast":
+        engine.runner.split_penalty = 1 << 30  # never split decode rows into ranges
+        engine.runner.attn_block = engine.runner.forward_tokens  # one attention block per prefill forward
+    return engine
 
 
 def make_prompts(tokenizer, batch: int, seed: int) -> list[list[int]]:
@@ -84,7 +95,7 @@ def bench_model(name: str, batch: int, max_new: int, repeats: int) -> dict:
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
         assert out.shape[1] == width + max_new, out.shape
 
-    engine = Engine(model, tok, "cpu", max_batch_size=batch, max_batch_tokens=1 << 30)
+    engine = make_engine(model, tok, batch)
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
 
@@ -113,7 +124,7 @@ def bench_continuous(name: str, slots: int, requests: int, max_new: int, repeats
     """Static vs continuous batching in one engine on long-tailed lengths (see module docstring)."""
     model, tok = build_policy(ModelSpec(builtin=name), "cpu", seed=0)
     work = long_tail_work(tok, requests, max_new)
-    engine = Engine(model, tok, "cpu", max_batch_size=slots, max_batch_tokens=1 << 30)
+    engine = make_engine(model, tok, slots)
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     stats = {}
@@ -203,7 +214,7 @@ def bench_long_tail(name: str, slots: int, requests: int, max_new: int, repeats:
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=stop)
             assert out.shape[1] == ids.shape[1] + int(lengths.max()), out.shape
 
-    engine = Engine(model, tok, "cpu", max_batch_size=slots, max_batch_tokens=1 << 30)
+    engine = make_engine(model, tok, slots)
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
 
@@ -239,7 +250,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--one-range",
+        action="store_true",
+        help="engine attention without its length-aware split (decode rows in one range, one prefill attention "
+        "block per forward pass), to measure what the split gives",
+    )
     args = ap.parse_args()
+    global ONE_RANGE
+    ONE_RANGE = args.one_range
     if args.quick:
         args.models, args.batch, args.max_new_tokens, args.repeats = ["tiny-qwen2"], 16, 64, 2
     torch.set_num_threads(args.threads)
@@ -271,12 +290,15 @@ def main() -> None:
             f"{t['engine_tokens_per_cpu_s']:.0f} tok/CPU-s, speed-up {t['speedup']:.2f}x (wall {t['speedup_wall']:.2f}x)"
         )
     load = os.getloadavg()[0]
-    print(f"threads={args.threads}, load average {load:.2f} (the machine is shared; figures vary with load)")
+    print(
+        f"threads={args.threads}, one_range={args.one_range}, load average {load:.2f} (the machine is shared; figures vary with load)"
+    )
     print(
         json.dumps(
             {
                 "bench": "engine",
                 "threads": args.threads,
+                "one_range": args.one_range,
                 "load_avg_1m": round(load, 2),
                 "results": results,
                 "continuous_batching": cont,

@@ -15,10 +15,11 @@ share one interface:
 
 :class:`FastRunner`, for Llama-family models (``llama``, ``qwen2``), uses the same parameters and math
 as the model's modules (RMSNorm, rotary tables from the model's own module, q/k/v/o, gated MLP,
-lm_head) as a lean loop: q/k/v and gate/up each one matmul, one additive mask per step, no per-step
+lm_head) as a lean loop: q/k/v and gate/up each one matmul, additive masks built once per step, no per-step
 module dispatch. That skips what makes ``model.generate()`` slow on small models — per-step mask
 construction, cache concatenation, logits processors — and log-probabilities agree with the
-trainer's to float rounding. :class:`HFRunner`, for any other causal LM, runs the model's own forward
+trainer's to float rounding. Attention reads little more than the cache columns each row can see:
+decode rows are split into ranges by length, prefill prompts into blocks. :class:`HFRunner`, for any other causal LM, runs the model's own forward
 with one transformers DynamicCache per slot (slower, always correct).
 """
 
@@ -96,6 +97,13 @@ class FastRunner:
         self.v_cache: list[torch.Tensor] = []
         self.cos = self.sin = torch.empty(0)
         self.max_len = 0
+        # Prefill: a forward pass takes at most this many prompt tokens (bounds activation memory), and
+        # attention runs in blocks of whole prompts of about this many tokens (see prefill).
+        self.forward_tokens = 16 * cfg.hidden_size
+        self.attn_block = cfg.hidden_size // 2
+        # Decode attention splits its rows into ranges when that saves reading more than this many cache
+        # (row, column) pairs: about 48 K key and value elements, what one more kernel call costs.
+        self.split_penalty = 24576 // (self.n_kv * self.head_dim)
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -182,7 +190,7 @@ class FastRunner:
             for c in caches:
                 c[dst].copy_(c[src])
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, attend: Any) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
         """Hidden states after the last layer for ``ids [B, T]``; ``attend(i, q, k, v)`` stores k/v, returns o."""
         bsz, t = ids.shape
         h = F.embedding(ids, self.embed)
@@ -194,16 +202,15 @@ class FastRunner:
             q = qk[:, :, :nq].transpose(1, 2)
             k = qk[:, :, nq:].transpose(1, 2)
             v = qkv[:, :, nqk:].transpose(1, 2)
-            o = attend(i, q, k, v, bias)
+            o = attend(i, q, k, v)
             h = h + F.linear(o.transpose(1, 2).reshape(bsz, t, -1), w.o_w, w.o_b)
             gate, up = F.linear(_rms_norm(h, w.ln2), w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
             h = h + F.linear(w.act(gate) * up, w.down_w, w.down_b)
         return h
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
-        )
+    def _bias(self, keep: torch.Tensor) -> torch.Tensor:
+        """An additive attention mask: 0 where ``keep``, -inf elsewhere."""
+        return torch.zeros(keep.shape, dtype=self.embed.dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(h, self.norm), *self.lm_head)
@@ -211,19 +218,16 @@ class FastRunner:
     def prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> tuple[torch.Tensor, int]:
         """Prompts written into ``slots`` at columns [0, len) -> (next-token logits [n, V], positions computed).
 
-        No padding: prompts are packed into rows with a block-diagonal causal mask. A packed row attends
-        across all of its tokens, so rows are cut at about ``6 x hidden`` tokens — where the attention
-        work of a row stays below the work of its linear layers (per position, q/k/v/o and the MLP cost
-        about 12 hidden^2 multiply-adds; a query-key pair about 2 hidden).
+        No padding: prompts are packed into one row per forward pass, so the linear layers run on all their
+        tokens at once. Attention, whose work grows with the square of the tokens it spans, runs in blocks
+        of whole prompts with a block-diagonal causal mask: a block of ``B`` tokens costs about ``2 hidden B``
+        multiply-adds per token against ``12 hidden^2`` for the linear layers, so blocks of ``hidden / 2``
+        tokens keep attention under a tenth of that (attention over one packed row of all the prompts cost
+        as much as the linear layers; a masked-out pair costs as much as a real one).
         """
-        limit = max(6 * self.embed.shape[1], max(map(len, prompts)))
-        logits, chunk, start = [], 0, 0
-        for end in range(1, len(prompts) + 1):
-            chunk += len(prompts[end - 1])
-            nxt = len(prompts[end]) if end < len(prompts) else limit + 1
-            if chunk + nxt > limit:
-                logits.append(self._prefill_packed(prompts[start:end], slots[start:end]))
-                chunk, start = 0, end
+        logits = []
+        for group in _pack(list(map(len, prompts)), self.forward_tokens):
+            logits.append(self._prefill_packed([prompts[j] for j in group], [slots[j] for j in group]))
         return torch.cat(logits), sum(map(len, prompts))
 
     def _prefill_packed(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
@@ -232,50 +236,106 @@ class FastRunner:
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
         pos = torch.cat([self.columns[:n] for n in lengths])
         seg = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device))
-        keep = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-        bias = torch.zeros(keep.shape, dtype=self.embed.dtype, device=device).masked_fill_(~keep, float("-inf"))
         rows = torch.tensor(slots, device=device)[seg]
         flat = ((rows[:, None] * self.n_kv + self.kv_heads[None]) * self.max_len + pos[:, None]).reshape(-1)
+        blocks, start = [], 0  # (first token, end token, block-diagonal causal mask), shared by all layers
+        for group in _pack(lengths, self.attn_block):
+            end = start + sum(lengths[j] for j in group)
+            s, p = seg[start:end], pos[start:end]
+            blocks.append((start, end, self._bias((s[:, None] == s[None, :]) & (p[None, :] <= p[:, None]))))
+            start = end
+        gqa = self.n_kv != self.n_heads
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             for cache, new in ((self.k_cache[i], k), (self.v_cache[i], v)):  # new: [1, n_kv, T, head_dim]
                 cache.view(-1, self.head_dim).index_copy_(0, flat, new[0].transpose(0, 1).reshape(-1, self.head_dim))
-            return self._sdpa(q, k, v, bias)
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], attn_mask=mask, scale=self.scale, enable_gqa=gqa
+                )
+                for a, z, mask in blocks
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-        h = self._forward(ids, pos[None], bias[None, None], attend)
+        h = self._forward(ids, pos[None], attend)
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         return self._logits(h[0, last])
 
     def decode(self, tokens: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Token ``tokens[r]`` at column ``cols[r]`` of slot ``r`` (slots 0..b-1) -> logits [b, V]."""
         b = tokens.shape[0]
-        end = int(cols.max()) + 1
         rows = torch.arange(b, device=tokens.device)
-        keep = self.columns[None, :end] <= cols[:, None]
-        bias = torch.zeros(keep.shape, dtype=self.embed.dtype, device=tokens.device).masked_fill_(~keep, float("-inf"))
-
         groups = self.n_heads // self.n_kv
+        # Attention over the cache reads every row up to the column of the longest row in its range; one
+        # long row among short ones would make them all read (and mask) its length. So rows are split into
+        # contiguous ranges, each reading only up to its own longest column. Masked columns add exactly 0:
+        # the split changes float rounding only, and it depends on the columns alone (deterministic).
+        ranges, col_list = [], cols.tolist()
+        for lo, hi in _split_rows(col_list, self.split_penalty):
+            end = max(col_list[lo:hi]) + 1
+            ranges.append((lo, hi, end, self._bias(self.columns[None, :end] <= cols[lo:hi, None])[:, None, None]))
 
         # Row r's kv heads go to flat cache rows ((r * n_kv + head) * max_len + cols[r]): one index_copy_
         # per cache and layer, cheaper than advanced-index assignment.
         flat = ((rows[:, None] * self.n_kv + self.kv_heads[None]) * self.max_len + cols[:, None]).reshape(-1)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-            self.k_cache[i].view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
-            self.v_cache[i].view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            k_cache.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
+            v_cache.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
             # One query per row: fold the query heads that share a kv head into the query-length axis,
             # so attention reads the cache as it is instead of expanding it to every query head.
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, self.n_kv, groups, self.head_dim),
-                self.k_cache[i][:b, :, :end],
-                self.v_cache[i][:b, :, :end],
-                attn_mask=bias,
-                scale=self.scale,
-            )
+            q = q.reshape(b, self.n_kv, groups, self.head_dim)
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[lo:hi], k_cache[lo:hi, :, :end], v_cache[lo:hi, :, :end], attn_mask=mask, scale=self.scale
+                )
+                for lo, hi, end, mask in ranges
+            ]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
             return o.reshape(b, self.n_heads, 1, self.head_dim)
 
-        h = self._forward(tokens[:, None], cols[:, None], bias[:, None, None], attend)
+        h = self._forward(tokens[:, None], cols[:, None], attend)
         return self._logits(h[:, 0])
+
+
+def _pack(lengths: list[int], limit: int) -> list[list[int]]:
+    """Indices of consecutive items grouped so that a group's lengths sum to at most ``limit`` (a longer
+    item is a group of its own)."""
+    groups: list[list[int]] = []
+    total = limit + 1
+    for j, n in enumerate(lengths):
+        if total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(j)
+        total += n
+    return groups
+
+
+def _split_rows(cols: list[int], penalty: int) -> list[tuple[int, int]]:
+    """Contiguous ranges ``[lo, hi)`` of rows 0..len(cols)-1 for decode attention, which reads
+    ``(hi - lo) x (max(cols[lo:hi]) + 1)`` cache columns per range: a range is cut in two where that saves
+    the most, as long as the saving exceeds ``penalty`` (what one more attention call costs)."""
+    out = []
+    todo = [(0, len(cols))]
+    while todo:
+        lo, hi = todo.pop()
+        prefix, m = [], 0  # prefix[j - lo]: columns read by rows lo..j
+        for c in cols[lo:hi]:
+            m = max(m, c + 1)
+            prefix.append(m)
+        best, cut, m = prefix[-1] * (hi - lo) - penalty, None, 0
+        for j in range(hi - 1, lo, -1):  # cut before row j; m: columns read by rows j..hi-1
+            m = max(m, cols[j] + 1)
+            cost = prefix[j - 1 - lo] * (j - lo) + m * (hi - j)
+            if cost < best:
+                best, cut = cost, j
+        if cut is None:
+            out.append((lo, hi))
+        else:
+            todo += [(cut, hi), (lo, cut)]
+    return sorted(out)
 
 
 class HFRunner:

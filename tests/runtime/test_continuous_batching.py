@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from runtime.models import build_policy
-from runtime.rollout import ContinuousBatcher, Engine, SamplingParams
-from runtime.rollout.runners import HFRunner
+from runtime.rollout import ContinuousBatcher, Engine, SamplingParams, runners
+from runtime.rollout.runners import FastRunner, HFRunner, _pack, _split_rows
+from runtime.spec import ModelSpec
 
 torch.set_num_threads(1)
 
@@ -17,8 +18,6 @@ TEXTS = ["abc=", "hello world=", "x", "reverse:abcdef=", "copy:ab=", "q", "repea
 
 @pytest.fixture(scope="module")
 def policy():
-    from runtime.spec import ModelSpec
-
     return build_policy(ModelSpec(builtin="tiny-qwen2"), "cpu", seed=3)
 
 
@@ -121,22 +120,101 @@ def test_compaction_keeps_the_moved_sequence_intact(policy):
     assert batcher.stats.allocated_tokens == batcher.stats.real_tokens == sum(map(len, prompts)) + 17 - 3
 
 
-def test_long_prompts_prefill_in_several_packed_rows_and_agree(policy):
-    """A packed row attends across all its tokens, so many long prompts are cut into several rows."""
+def test_prefill_splits_forwards_and_attention_blocks_and_agrees(policy):
+    """Prompts are packed into forward passes of at most ``forward_tokens`` tokens, with attention in blocks
+    of whole prompts of about ``attn_block`` tokens; any split gives what one prompt at a time gives."""
     model, tok = policy
-    prompts = [[1] + [5 + (i * 7 + j) % 80 for j in range(149 + i)] for i in range(8)]  # 150..157 tokens
+    lengths = [150, 30, 151, 40, 25, 152, 12, 60]
+    prompts = [[1] + [5 + (i * 7 + j) % 80 for j in range(n - 1)] for i, n in enumerate(lengths)]
     params = SamplingParams(4, temperature=0, ignore_eos=True)
-    engine = Engine(model, tok, "cpu")
-    calls = []
-    packed = engine.runner._prefill_packed
-    engine.runner._prefill_packed = lambda ps, slots: calls.append(sum(map(len, ps))) or packed(ps, slots)
-    together = engine.generate(prompts, params)
-    assert calls == [150 + 151 + 152 + 153 + 154, 155 + 156 + 157]  # rows of at most 6 x hidden = 768 tokens
-    assert engine.last_stats.allocated_tokens == engine.last_stats.real_tokens  # no padding anywhere
     alone = [Engine(model, tok, "cpu").generate([p], params)[0] for p in prompts]
-    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
-    for a, b in zip(together, alone, strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # tiny-qwen2 (hidden 128) by default: forwards of 2048 tokens, attention blocks of 64
+    for forward_tokens, attn_block in ((2048, 64), (384, 64), (2048, 2048), (384, 256)):
+        engine = Engine(model, tok, "cpu")
+        assert (engine.runner.forward_tokens, engine.runner.attn_block) == (2048, 64)
+        engine.runner.forward_tokens, engine.runner.attn_block = forward_tokens, attn_block
+        calls: list[list[int]] = []
+
+        def record(ps, slots, calls=calls, packed=engine.runner._prefill_packed):
+            calls.append(sorted(map(len, ps)))
+            return packed(ps, slots)
+
+        engine.runner._prefill_packed = record
+        together = engine.generate(prompts, params)  # generate prefills shortest prompts first
+        if forward_tokens == 2048:
+            assert calls == [sorted(lengths)]
+        else:
+            assert calls == [[12, 25, 30, 40, 60, 150], [151, 152]]
+        assert engine.last_stats.allocated_tokens == engine.last_stats.real_tokens  # no padding anywhere
+        assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+        for a, b in zip(together, alone, strict=True):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_pack_groups_consecutive_items_under_the_limit():
+    assert _pack([3, 4, 2, 10, 1], 7) == [[0, 1], [2], [3], [4]]  # 10 > 7 is a group of its own
+    assert _pack([2, 2, 2], 6) == [[0, 1, 2]]
+    assert _pack([5], 1) == [[0]]
+
+
+def test_split_rows_cuts_where_it_saves_more_than_the_penalty():
+    assert _split_rows([9, 9, 9, 9], 0) == [(0, 4)]  # equal lengths: a cut saves nothing
+    # 5 rows x 101 columns = 505; rows 0-1 over 101 and rows 2-4 over 4 columns = 214
+    assert _split_rows([100, 100, 3, 3, 3], 10) == [(0, 2), (2, 5)]
+    assert _split_rows([100, 100, 3, 3, 3], 290) == [(0, 2), (2, 5)]  # saves 291: just more than 290
+    assert _split_rows([100, 100, 3, 3, 3], 291) == [(0, 5)]  # not worth another attention call
+    assert _split_rows([3, 100, 3], 10) == [(0, 1), (1, 2), (2, 3)]  # a long row in the middle
+    assert _split_rows([7], 0) == [(0, 1)]
+
+
+def test_row_split_decode_attention_agrees_with_one_range(policy, monkeypatch):
+    """Rows of very different lengths, GQA (tiny-qwen2: 4 query heads on 2 kv heads), refilled slots:
+    attending each range of rows over its own columns gives the same tokens and, to float rounding, the
+    same log-probabilities as attending all rows over the longest one."""
+    model, tok = policy
+    prompts = [[1] + [5 + (i * 11 + j) % 80 for j in range(n - 1)] for i, n in enumerate([90, 3, 5, 70, 2, 4, 60, 3])]
+    limits = [20, 3, 12, 5, 16, 2, 9, 14]
+    splits = []
+    real_split = runners._split_rows
+    monkeypatch.setattr(runners, "_split_rows", lambda cols, p: splits.append(real_split(cols, p)) or splits[-1])
+
+    def run(penalty):
+        engine = Engine(model, tok, "cpu", max_batch_size=3)
+        engine.runner.split_penalty = penalty
+        batcher = engine.batcher(SamplingParams(20, temperature=0, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(prompts, limits, strict=True)):
+            batcher.submit(p, i, max_new_tokens=n)
+        done = {}
+        while not batcher.idle:
+            done.update(batcher.step())
+        return [done[i] for i in range(len(prompts))]
+
+    whole = run(penalty=1 << 30)
+    assert {len(s) for s in splits} == {1}
+    splits.clear()
+    split = run(penalty=0)
+    assert max(len(s) for s in splits) == 3 and sum(len(s) > 1 for s in splits) > 10  # the case is not trivial
+    assert [c.token_ids for c in split] == [c.token_ids for c in whole]
+    assert [len(c.token_ids) for c in split] == limits
+    for a, b in zip(split, whole, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_row_split_decode_logits_match_on_llama():
+    """The same state decoded with and without the row split (tiny-llama, GQA): equal to float rounding."""
+    model, _ = build_policy(ModelSpec(builtin="tiny-llama"), "cpu", seed=2)
+    runner = FastRunner(model)
+    runner.allocate(4, 64, torch.device("cpu"))
+    prompts = [[1, 7, 8, 9] * 10, [1, 5], [1, 6, 7], [1, 9] * 12]
+    with torch.inference_mode():
+        runner.prefill(prompts, [0, 1, 2, 3], 0)
+        tokens, cols = torch.tensor([11, 12, 13, 14]), torch.tensor([40, 2, 3, 24])
+        runner.split_penalty = 1 << 30
+        whole = runner.decode(tokens, cols)
+        runner.split_penalty = 2
+        assert runners._split_rows(cols.tolist(), 2) == [(0, 1), (1, 3), (3, 4)]
+        split = runner.decode(tokens, cols)  # rewrites the same cache entries
+    assert torch.allclose(split, whole, atol=1e-5, rtol=0)
 
 
 def test_static_batching_pads_finished_rows(policy):

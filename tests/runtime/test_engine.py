@@ -176,6 +176,25 @@ def test_engine_logprobs_match_trainer_scoring(builtin, temperature, top_k, top_
     assert worst < 1e-4
 
 
+def test_logprobs_match_trainer_scoring_with_split_attention(monkeypatch):
+    """Prompts of very different lengths on a GQA model, attention split into row ranges at every step it
+    can be and prefill attention in blocks: log-probabilities still match the trainer's to float rounding."""
+    from runtime.rollout import runners
+
+    model, tok = build_policy(ModelSpec(builtin="tiny-qwen2"), "cpu", seed=12)
+    prompts = prompt_ids(tok, ["x", "reverse:" + "abcdefgh" * 9 + "=", "ab=", "copy:" + "xyz" * 20 + "="])
+    ranges = []
+    split = runners._split_rows
+    monkeypatch.setattr(runners, "_split_rows", lambda cols, p: ranges.append(len(split(cols, p))) or split(cols, p))
+    engine = Engine(model, tok, "cpu", max_batch_size=3)
+    engine.runner.split_penalty = 0
+    out = engine.generate(prompts, SamplingParams(20, temperature=1.0, n=2), torch.Generator().manual_seed(0))
+    assert max(ranges) >= 2  # the split was exercised
+    scored = _trainer_logprobs(model, prompts, out, 1.0)
+    worst = max((torch.tensor(c.logprobs) - s).abs().max().item() for c, s in zip(out, scored, strict=True))
+    assert worst < 1e-4
+
+
 def test_hot_update_changes_version_and_outputs(policy):
     model, tok = policy
     engine = Engine(model, tok, "cpu")
