@@ -251,7 +251,7 @@ def placed_roles(run: Run) -> dict[str, tuple[int, list[int]]] | str:
 def trainer_ranks(placed: dict[str, tuple[int, list[int]]], resources: dict[str, Any]) -> dict[str, range]:
     """The data-parallel ranks each trainer role runs: ``trainer-0`` first, on its first devices (its
     rollout and evaluator devices come after them), then each further trainer role on all of its own."""
-    extras = int(resources.get("rollout_devices", 0) or 0) + int(resources.get("eval_devices", 0) or 0)
+    extras = placement.shape_of(resources).lead - 1  # trainer-0's rollout and evaluator devices
     ranks, first = {}, 0
     for name, (_host, indices) in placed.items():
         if is_trainer(name):
@@ -477,7 +477,8 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return "failed"
     what = error or why or f"exit code {exit_code}"
     budget = _restart_budget(role, run)
-    spent = max([role.restarts, *(other.restarts for other in _trainer_roles(run, exclude=role))])
+    others = _trainer_roles(run, exclude=role)
+    spent = max([role.restarts, *(other.restarts for other in others)])
     if spent >= budget:
         _move(run, RunState.FAILED, f"{role.name} failed after {spent} restarts: {what}")
         return "failed"
@@ -495,7 +496,7 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         _move(run, RunState.QUEUED, f"{reason}; requeued for other hosts")
         record_event(run.pk, "host_excluded", {"role": role.name, "host": role.host.name, "reason": what})
         return "requeued"
-    live = [other for other in _trainer_roles(run, exclude=role) if other.state != R.EXITED]
+    live = [other for other in others if other.state != R.EXITED]
     if not live:
         return _restart_trainers(run, f"{role.name}: {what}" if role.name != TRAINER else what)
     for other in live:  # their supervisors stop them; the last one's end restarts them all

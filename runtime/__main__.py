@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -156,41 +157,39 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_rollout(args: argparse.Namespace) -> int:
+def _serve_the_trainer(args: argparse.Namespace, make: Callable[[Any, Callable[[str], None]], Any]) -> int:
+    """A process of its own that serves an async run's trainer over the link until the run ends:
+    ``make(spec, log)`` builds it (a remote rollout instance, the remote evaluator)."""
     from runtime.devices import resolve_device
-    from runtime.models import check_model_path
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RemoteInstance, RolloutRefused, endpoint_path
-
-    spec = load_spec(args.spec, args.overrides)
-    resolve_device(spec.resources.device, 0)
-    if spec.model.path:
-        check_model_path(spec.model.path)
-    try:
-        instance = RemoteInstance(spec, args.index, log=lambda m: print(m, file=sys.stderr, flush=True))
-        return instance.serve(endpoint_path(spec, args.endpoint), env_key())
-    except RolloutRefused as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _cmd_evaluator(args: argparse.Namespace) -> int:
-    from runtime.devices import resolve_device
-    from runtime.evaluator_remote import EvaluatorProcess
     from runtime.models import check_model_path
     from runtime.rollout_link import env_key
     from runtime.rollout_remote import RolloutRefused, endpoint_path
 
     spec = load_spec(args.spec, args.overrides)
-    if not spec.resources.remote_evaluator:
-        raise UsageError("resources.remote_evaluator: false; this run evaluates inside its trainer")
     resolve_device(spec.resources.device, 0)
     if spec.model.path:
         check_model_path(spec.model.path)
     try:
-        evaluator = EvaluatorProcess(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
-        return evaluator.serve(endpoint_path(spec, args.endpoint), env_key())
+        server = make(spec, lambda m: print(m, file=sys.stderr, flush=True))
+        return server.serve(endpoint_path(spec, args.endpoint), env_key())
     except RolloutRefused as exc:
         raise UsageError(str(exc)) from None
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from runtime.rollout_remote import RemoteInstance
+
+    return _serve_the_trainer(args, lambda spec, log: RemoteInstance(spec, args.index, log=log))
+
+
+def _cmd_evaluator(args: argparse.Namespace) -> int:
+    from runtime.evaluator_remote import EvaluatorProcess, require_remote
+
+    def make(spec: Any, log: Callable[[str], None]) -> EvaluatorProcess:
+        require_remote(spec)
+        return EvaluatorProcess(spec, log=log)
+
+    return _serve_the_trainer(args, make)
 
 
 def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
@@ -213,23 +212,16 @@ def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
 
 def _cmd_role(args: argparse.Namespace) -> int:
     from runtime import role
+    from runtime.devices import resolve_device
 
     options = role.parse_args(args.rest)
     env = role.read_env(os.environ)
     spec = role.load_role_spec(options.spec, options.workdir)
-    if options.role == "rollout":
-        from runtime.devices import resolve_device
-
+    if options.role in ("rollout", "evaluator"):
         resolve_device(spec.resources.device, 0)  # its one device; the model is checked as it loads
-        return role.run_rollout(spec, env, options.workdir)
-    if options.role == "evaluator":
-        from runtime.devices import resolve_device
-
-        resolve_device(spec.resources.device, 0)  # its one device; the model is checked as it loads
-        return role.run_evaluator(spec, env, options.workdir)
+        run_beside = role.run_rollout if options.role == "rollout" else role.run_evaluator
+        return run_beside(spec, env, options.workdir)
     if options.role == "trainer-ranks":
-        from runtime.devices import resolve_device
-
         ranks = role.trainer_ranks(spec, os.environ)
         resolve_device(spec.resources.device, len(ranks) - 1)  # one device per rank, in rank order
         return role.run_trainer_ranks(spec, env, ranks)
@@ -238,6 +230,18 @@ def _cmd_role(args: argparse.Namespace) -> int:
     summary = role.run_trainer(spec, env, options.workdir, resume)
     print(json.dumps(summary))  # the last stdout line: what the platform's launcher reads
     return 0
+
+
+def _trainer_server_parser(sub: Any, name: str, what: str, func: Callable[[argparse.Namespace], int]) -> Any:
+    """The arguments every process that serves a trainer over the link takes (see _serve_the_trainer)."""
+    p = sub.add_parser(name, help=f"{what} of an async run (connects to its trainer)")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (the trainer's spec must match)")
+    p.add_argument(
+        "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
+    )
+    p.set_defaults(func=func)
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,22 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("rollout", help="a remote rollout instance of an async run (connects to its trainer)")
-    p.add_argument("spec")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (the trainer's spec must match)")
+    p = _trainer_server_parser(sub, "rollout", "a remote rollout instance", _cmd_rollout)
     p.add_argument("--index", type=int, required=True, help="which remote instance: 0 .. remote_rollout_workers-1")
-    p.add_argument(
-        "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
-    )
-    p.set_defaults(func=_cmd_rollout)
-
-    p = sub.add_parser("evaluator", help="the remote evaluator of an async run (connects to its trainer)")
-    p.add_argument("spec")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides (the trainer's spec must match)")
-    p.add_argument(
-        "--endpoint", metavar="FILE", help="the trainer's endpoint file (default: OUTPUT_DIR/rollout-endpoint.json)"
-    )
-    p.set_defaults(func=_cmd_evaluator)
+    _trainer_server_parser(sub, "evaluator", "the remote evaluator", _cmd_evaluator)
 
     p = sub.add_parser("trainer-ranks", help="data-parallel trainer ranks of a leader on another host")
     p.add_argument("spec")

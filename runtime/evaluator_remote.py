@@ -149,6 +149,14 @@ class RemoteEvaluator:
         return self._peer is not None and not self._peer.disconnected
 
 
+def require_remote(spec: Any) -> None:
+    """Bad input (:class:`~runtime.rollout_remote.RolloutRefused`) unless the run has a remote evaluator."""
+    from runtime.rollout_remote import RolloutRefused
+
+    if not spec.resources.remote_evaluator:
+        raise RolloutRefused("resources.remote_evaluator: false; this run evaluates inside its trainer")
+
+
 class EvaluatorProcess:
     """The evaluator's engine, task and held-out prompts, kept across sessions with (restarted) trainers."""
 
@@ -208,4 +216,4 @@ class EvaluatorProcess:
             conn.close()
 
 
-__all__ = ["ROLE", "EvaluatorProcess", "RemoteEvaluator"]
+__all__ = ["ROLE", "EvaluatorProcess", "RemoteEvaluator", "require_remote"]

@@ -491,12 +491,14 @@ def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
 def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
     """One attempt of the remote evaluator (runtime.evaluator_remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
-    from runtime.evaluator_remote import EvaluatorProcess
+    from runtime.evaluator_remote import EvaluatorProcess, require_remote
     from runtime.rollout_link import ENDPOINT_FILE, env_key
     from runtime.rollout_remote import RolloutRefused
 
-    if not spec.resources.remote_evaluator:
-        raise RoleInputError("resources.remote_evaluator: false; this run evaluates inside its trainer")
+    try:
+        require_remote(spec)  # before any heartbeat: bad input is one line
+    except RolloutRefused as exc:
+        raise RoleInputError(str(exc)) from None
 
     def work(changed: Callable[[str], None]) -> int:
         try:
