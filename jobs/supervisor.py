@@ -291,8 +291,16 @@ class Supervisor:
                 done["exited"] += 1
                 continue
             if not process_alive(role.pid, str(directory)):
+                # The wrapper writes its exit code, then exits: it may have done both since the read above
+                # (a busy host can pause this thread between the two looks). Read again before calling it
+                # vanished, or a clean exit would be recorded without its code.
+                code = _read_int(directory / "exit_code")
                 launch.role_exited(
-                    role.pk, role.attempt, None, launch.read_tail(directory / "log"), why="the process vanished"
+                    role.pk,
+                    role.attempt,
+                    code,
+                    launch.read_tail(directory / "log"),
+                    why="" if code is not None else "the process vanished",
                 )
                 done["exited"] += 1
                 continue

@@ -69,8 +69,10 @@ class RemoteEvaluator:
                 self._pending = self._pending or self._sent
                 self._sent = None
             self._dispatch()
-        threading.Thread(target=self._receive, args=(peer,), name="evaluator-receiver", daemon=True).start()
+        # Reported before its receiver starts: an evaluator that dies at once is reported disconnected
+        # after it was reported connected, never before.
         self._news("evaluator_connected", {"host": peer.host, "pid": peer.pid})
+        threading.Thread(target=self._receive, args=(peer,), name="evaluator-receiver", daemon=True).start()
         return None
 
     def _receive(self, peer: RemotePeer) -> None:

@@ -659,9 +659,10 @@ def test_a_remote_evaluator_role_evaluates_for_the_trainer_and_is_restarted_afte
     wait_for(lambda: serving(1, before), "the restarted evaluator's results", RUN_S, logs)
 
     stop_and_wait_for_the_end(api, run, logs, RUN_S)
-    assert {r.name: (r.attempt, r.restarts, r.exit_code) for r in _roles(run).values()} == {
+    roles = _roles(run).values()
+    assert {r.name: (r.attempt, r.restarts, r.exit_code) for r in roles} == {
         "trainer-0": (0, 0, 0),
         "evaluator": (1, 1, 0),  # restarted once, then released by the trainer
-    }
+    }, {r.name: r.message for r in roles}
     connected = RunEvent.objects.filter(run=run, role="trainer-0", kind="evaluator_connected").count()
     assert connected == 2

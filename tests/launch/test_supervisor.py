@@ -178,6 +178,31 @@ def test_a_vanished_process_is_reported_without_an_exit_code(stand_in, admitted_
     assert role.message == "restarting after: the process vanished"
 
 
+def test_an_exit_written_between_the_supervisors_two_looks_keeps_its_code(stand_in, admitted_role, monkeypatch):
+    """The supervisor reads exit_code (none yet), then finds the wrapper gone: the wrapper wrote its code
+    and exited in between (a busy host pauses the supervisor there). The clean exit keeps its code 0 —
+    the CI failure where a completed run's trainer-0 was stored with exit code None."""
+    stand_in("import time; time.sleep(60)")
+    run, role = admitted_role
+    supervisor.start_role(role.pk, 0)
+    role.refresh_from_db()
+    directory = launch.role_dir(role)
+    os.killpg(role.pid, signal.SIGKILL)
+    wait_for(lambda: not supervisor.process_alive(role.pid, str(directory)), "the group to die")
+    real_alive = supervisor.process_alive
+
+    def wrapper_finishes_meanwhile(pid, marker):  # the wrapper's last two acts, between the two looks
+        (directory / "exit_code").write_text("0\n")
+        return real_alive(pid, marker)
+
+    monkeypatch.setattr(supervisor, "process_alive", wrapper_finishes_meanwhile)
+    assert _host_supervisor(role).pass_once()["exited"] == 1
+    role.refresh_from_db()
+    run.refresh_from_db()
+    assert (role.state, role.exit_code) == (R.EXITED, 0)
+    assert run.state == RunState.COMPLETED
+
+
 def test_a_fork_starts_from_its_parent_checkpoints_policy_and_never_outside_the_root(stand_in, admitted_role, settings):
     run, role = admitted_role
     root = Path(settings.TANDEM_CHECKPOINT_ROOT)

@@ -81,6 +81,16 @@ def _evaluator(spec_path: Path, log: Path) -> subprocess.Popen:
         )
 
 
+def _wait_until_connected(proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    """Until the evaluator logs its welcome: the trainer (the caller's thread holds it) records the
+    connection before it starts listening to the evaluator, so it is in the run's events too."""
+    deadline = time.monotonic() + timeout
+    while "connected to the trainer" not in log.read_text():
+        assert proc.poll() is None, f"the evaluator exited: {log.read_text()[-2000:]}"
+        assert time.monotonic() < deadline, f"the evaluator never connected: {log.read_text()[-2000:]}"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_a_remote_evaluator_evaluates_for_the_trainer_and_a_killed_one_is_replaced(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TANDEM_ROLLOUT_KEY", "e" * 64)
@@ -92,15 +102,14 @@ def test_a_remote_evaluator_evaluates_for_the_trainer_and_a_killed_one_is_replac
 
     def stop(step, metrics):
         if step == 4:  # whatever it was doing, the next one takes over
+            # ... once it has connected: a busy machine may start it later than the trainer's step 4
+            _wait_until_connected(procs[0], tmp_path / "first.log")
             os.kill(procs[0].pid, signal.SIGKILL)
             procs[0].wait(timeout=30)
             procs.append(_evaluator(spec_path, tmp_path / "second.log"))
             # hold the trainer until it is connected (the listener admits it meanwhile): a run that
             # ends before any evaluator is connected ends without its last evaluation
-            deadline = time.monotonic() + 120
-            while "connected to the trainer" not in (tmp_path / "second.log").read_text():
-                assert time.monotonic() < deadline and procs[1].poll() is None, "the second evaluator never connected"
-                time.sleep(0.05)
+            _wait_until_connected(procs[1], tmp_path / "second.log")
         return False
 
     try:
