@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from runtime.samples import Sample
@@ -89,6 +87,8 @@ def test_unreachable_server_is_dropped_not_raised():
 def test_circuit_breaker_opens_fails_fast_and_recovers_through_a_probe(server):
     server.mode = "fail"
     c = client(server, max_retries=0, breaker_failures=3, breaker_cooldown_s=0.3)
+    now = [1000.0]  # the breaker's own clock, moved by hand: a stalled busy machine cannot end a cool-down early
+    c.breaker.clock = lambda: now[0]
     for _ in range(3):
         assert c.score("p", "x", "").error == "HTTP 500"
     assert c.breaker.state == "open" and server.hits == 3
@@ -96,13 +96,13 @@ def test_circuit_breaker_opens_fails_fast_and_recovers_through_a_probe(server):
     assert r.dropped and r.attempts == 0 and r.error == "circuit breaker open" and server.hits == 3
     assert c.metrics()["reward/circuit_open"] == 1 and c.metrics()["reward/rejected"] == 1
 
-    time.sleep(0.35)  # cool-down over: one half-open probe goes out; it fails and re-opens the breaker
+    now[0] += 0.35  # cool-down over: one half-open probe goes out; it fails and re-opens the breaker
     assert c.score("p", "x", "").error == "HTTP 500" and server.hits == 4
     assert c.breaker.state == "open"
     assert c.score("p", "x", "").attempts == 0 and server.hits == 4
 
     server.mode = "ok"
-    time.sleep(0.35)  # the next probe succeeds and closes it
+    now[0] += 0.35  # the next probe succeeds and closes it
     assert c.score("p", "xy", "").reward == 2.0
     assert c.breaker.state == "closed" and server.hits == 5
     assert c.metrics()["reward/circuit_opened"] == 2

@@ -255,6 +255,12 @@ def test_a_remote_instance_works_beside_a_local_one_and_a_mismatched_one_is_refu
         if step == 1:  # a second instance under the same index but another sampling temperature
             bad = _remote(other, 0, tmp_path / "bad.log")
             state["bad"] = bad.wait(timeout=120)
+            # the good one started first, but a busy machine may not have it connected yet: the rest of
+            # the run must see it serve, so hold the trainer until it is in
+            deadline = time.monotonic() + 120
+            while "connected to the trainer" not in (tmp_path / "remote.log").read_text():
+                assert remote.poll() is None and time.monotonic() < deadline, (tmp_path / "remote.log").read_text()
+                time.sleep(0.05)
         return False
 
     try:
