@@ -1,9 +1,12 @@
 """The checkpoint browser: files of a checkpoint, safe file access, pin / unpin / delete, retention.
 
-Every file served or deleted must resolve (symlinks followed) to a path inside
-``settings.TANDEM_CHECKPOINT_ROOT``; a checkpoint's path is taken relative to
-that root when it is relative. Anything else — ``..``, an absolute path
-elsewhere, a symlink pointing out — is treated as absent (the view answers 404).
+Every file listed, served or deleted must resolve (symlinks followed) to a path
+inside its run's own directory, ``<TANDEM_CHECKPOINT_ROOT>/run-<id>``
+(jobs.confinement); a checkpoint's path is taken relative to the root when it
+is relative. Anything else — ``..``, an absolute path elsewhere, another run's
+directory, a symlink pointing out — is treated as absent (the view answers 404;
+retention and delete drop such a record but touch no file). Ingest refuses such
+records; this guards rows stored before it did.
 
 Retention (``apply_retention``, run by the periodic task): per run, keep the
 newest ``checkpoint.keep_last`` checkpoints of its resolved spec, the best one by
@@ -19,10 +22,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 
-from jobs import stream
+from jobs import confinement, stream
 from jobs.handler import Conflict
 from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, Run
 from rlplatform import audit
@@ -38,35 +40,32 @@ class CheckpointFileNotFound(Exception):
     """No such file inside the checkpoint (also for any path that would leave the root): 404."""
 
 
-def root() -> Path:
-    return Path(settings.TANDEM_CHECKPOINT_ROOT).resolve()
-
-
 def directory(record: CheckpointRecord) -> Path | None:
-    """The checkpoint's directory, resolved; None when it lies outside the root."""
-    return checkpoint_dir_for_path(record.path)
+    """The checkpoint's directory, resolved; None when it lies outside its run's own directory."""
+    return confinement.inside_run(record.run_id, record.path)
 
 
 def checkpoint_dir_for_path(recorded: str) -> Path | None:
-    """A checkpoint path as the runtime reported it, resolved; None when it lies outside the root."""
-    base = root()
+    """A checkpoint path as the runtime reported it, resolved; None when it lies outside the root.
+    (A fork's parent: confined to the team's runs when the fork was submitted, jobs.confinement.)"""
+    base = confinement.checkpoint_root()
     path = (base / recorded).resolve()  # an absolute path replaces base, then must still be inside it
     return path if path.is_relative_to(base) else None
 
 
 def file_path(record: CheckpointRecord, relative: str) -> Path:
-    """The file ``relative`` of the checkpoint, guaranteed inside both the checkpoint and the root."""
+    """The file ``relative`` of the checkpoint, guaranteed inside both the checkpoint and its run's directory."""
     ckpt = directory(record)
     if ckpt is None or not relative or "\x00" in relative or Path(relative).is_absolute():
         raise CheckpointFileNotFound(relative)
     path = (ckpt / relative).resolve()
-    if not path.is_relative_to(ckpt) or not path.is_relative_to(root()) or not path.is_file():
+    if not path.is_relative_to(ckpt) or not path.is_relative_to(confinement.checkpoint_root()) or not path.is_file():
         raise CheckpointFileNotFound(relative)
     return path
 
 
 def files(record: CheckpointRecord) -> list[dict[str, Any]]:
-    """``[{"path": relative, "size": bytes}]`` of the checkpoint's files (none if missing or outside the root)."""
+    """``[{"path": relative, "size": bytes}]`` of the checkpoint's files (none if missing or outside its run)."""
     ckpt = directory(record)
     if ckpt is None or not ckpt.is_dir():
         return []
@@ -95,7 +94,7 @@ def set_pinned(actor, record: CheckpointRecord, pinned: bool) -> CheckpointRecor
 
 
 def delete(actor, record: CheckpointRecord) -> None:
-    """Delete the checkpoint's record and its directory (only inside the root). Pinned: Conflict. Audited."""
+    """Delete the checkpoint's record and its directory (only inside its run's). Pinned: Conflict. Audited."""
     with transaction.atomic():
         locked = CheckpointRecord.objects.select_for_update().filter(pk=record.pk).first()
         if locked is None:
@@ -110,7 +109,7 @@ def _delete_locked(actor, record: CheckpointRecord) -> None:
     before = audit.snapshot(record, AUDITED_FIELDS)
     audit.record(actor, "checkpoint.delete", record, before, None, team=_team(record))
     record.delete()
-    if ckpt is not None and ckpt != root():
+    if ckpt is not None and ckpt != confinement.run_directory(record.run_id):
         # After commit: a rolled-back delete must not have lost the files.
         transaction.on_commit(lambda: shutil.rmtree(ckpt, ignore_errors=True))
     stream.append(record.run_id, "event", {"kind": "checkpoint_deleted", "payload": {"step": record.step}})

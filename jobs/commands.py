@@ -10,7 +10,8 @@ Kinds and what the platform does (the runtime does the rest):
     pause       RUNNING      done -> PAUSED (devices kept)
     resume      PAUSED       done -> RUNNING
     stop        RUNNING/PAUSED   done (after the final checkpoint) -> COMPLETED
-    cancel      cancellable  the run is CANCELLED at once; the runtime is told to exit
+    cancel      cancellable  the run is CANCELLED at once (its tokens end); done at once: the
+                             hosts' supervisors stop its processes
     rollback    RUNNING/PAUSED   {checkpoint: id of one of this run's checkpoints};
                              done -> metric points after its step are marked rewound
     fork        any          {checkpoint, spec?, overrides?, name?}: submits a new run with
@@ -210,12 +211,15 @@ def _create_cancel(actor, user, run: Run, args: dict[str, Any]) -> Command:
         started = RunState(run.state) not in (S.QUEUED,)
         handler.cancel_run(actor, run)  # audited as run.cancel; frees the devices at once
         command = Command.objects.create(run=run, kind=CommandKind.CANCEL, created_by=user)
-        if not started:
-            # No runtime will ever ask for it: nothing to tell.
-            Command.objects.filter(pk=command.pk).update(
-                state=CommandState.DONE, message="cancelled before admission", finished_at=timezone.now()
-            )
-            command.refresh_from_db()
+        # Done at once: no runtime will ever ask for it. A queued run has none; a started one's run token ended
+        # with the run (jobs.ingest.tokens), and its hosts' supervisors stop its processes (jobs.supervisor).
+        message = (
+            "cancelled; the role processes are stopped by their hosts" if started else "cancelled before admission"
+        )
+        Command.objects.filter(pk=command.pk).update(
+            state=CommandState.DONE, message=message, finished_at=timezone.now()
+        )
+        command.refresh_from_db()
         _record(actor, "command.create", command, None)
         _stream(command)
     return command

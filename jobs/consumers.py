@@ -4,6 +4,13 @@ Thin: authenticate from the session, check the team, join the channel groups,
 relay. Close codes: 4401 without a signed-in user, 4404 for a run the user may
 not see (another team's looks like a missing one).
 
+Access is checked again while a socket is open (rlplatform.permissions.recheck_socket):
+at once when the user's memberships change (rlplatform.memberships sends
+``access.changed`` to the user's group) and every ``TANDEM_WS_ACCESS_RECHECK_S``
+seconds for changes made elsewhere (a user deleted or deactivated, a row edited
+in the database). A socket that lost its team closes with 4404, one whose user
+is gone or deactivated with 4401, and sends nothing more.
+
 Run protocol (docs/live-ui-backend.md): the client sends
 ``{"type": "subscribe", "after": n}``; the server sends every entry with
 seq > n in order, then ``{"type": "live", "seq": m}``, then live entries. The
@@ -30,11 +37,13 @@ from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from jobs import stream
 from jobs.models import Run, RunStreamEntry
 from jobs.states import TERMINAL_STATES
 from rlplatform import permissions as perms
+from rlplatform.memberships import access_group
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,69 @@ def _visible_run(user, run_id: int) -> Run | None:
     if run is None or not perms.can_view(user, run.experiment.team_id):
         return None
     return run
+
+
+# What a failed re-check closes the socket with.
+CLOSE_FOR = {perms.SocketAccess.SIGNED_OUT: CLOSE_UNAUTHENTICATED, perms.SocketAccess.LOST_TEAM: CLOSE_NOT_FOUND}
+_recheck_socket = database_sync_to_async(perms.recheck_socket)
+
+
+class _AccessWatch:
+    """Mixin: re-check the socket's access when told (``access.changed``) and on a timer; close when lost.
+
+    The consumer calls ``_watch_access`` once it knows its user (before its own check, so a change made
+    meanwhile still reaches it), ``_set_teams`` once it knows what it shows, and ``_end_access_watch`` on
+    disconnect; ``_stop_streaming`` is its hook to stop sending before the close.
+    """
+
+    _access_group: str | None = None
+    _access_timer: asyncio.Task | None = None
+    _user_id: int | None = None
+    _teams: frozenset[int] = frozenset()
+    denied = False  # set when access was lost: nothing is sent from then on
+
+    async def _watch_access(self, user_id: int) -> None:
+        self._user_id = user_id
+        self._access_group = access_group(user_id)
+        await self.channel_layer.group_add(self._access_group, self.channel_name)
+
+    def _set_teams(self, team_ids) -> None:
+        self._teams = frozenset(team_ids)
+        self._access_timer = asyncio.create_task(self._recheck_periodically())
+
+    async def _end_access_watch(self) -> None:
+        if self._access_timer is not None and self._access_timer is not asyncio.current_task():
+            self._access_timer.cancel()
+        if self._access_group is not None:
+            await self.channel_layer.group_discard(self._access_group, self.channel_name)
+            self._access_group = None
+
+    async def access_changed(self, message) -> None:
+        if self._access_timer is not None:  # before the consumer's own check, that check decides
+            await self._recheck()
+
+    async def _recheck_periodically(self) -> None:
+        while not self.denied:
+            await asyncio.sleep(settings.TANDEM_WS_ACCESS_RECHECK_S)
+            try:
+                await self._recheck()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a database outage: keep the socket, try again next time
+                log.warning("could not re-check the access of user %s's socket", self._user_id, exc_info=True)
+
+    async def _recheck(self) -> None:
+        if self.denied:
+            return
+        decision = await _recheck_socket(self._user_id, self._teams)
+        if decision != perms.SocketAccess.KEEP and not self.denied:
+            self.denied = True
+            await self._stop_streaming()
+            await self._end_access_watch()
+            await self.close(code=CLOSE_FOR[decision])
+
+    async def _stop_streaming(self) -> None:
+        raise NotImplementedError
 
 
 @database_sync_to_async
@@ -153,7 +225,7 @@ async def _leave_relay(run_id: int, consumer: RunConsumer) -> None:
             await relay.stop()
 
 
-class RunConsumer(AsyncJsonWebsocketConsumer):
+class RunConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
     """One run's stream: backlog after a sequence number, then live entries."""
 
     async def connect(self):
@@ -162,8 +234,10 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         if user is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
+        await self._watch_access(user.pk)
         run = await _visible_run(user, int(self.scope["url_route"]["kwargs"]["run_id"]))
         if run is None:
+            await self._end_access_watch()
             await self.close(code=CLOSE_NOT_FOUND)
             return
         self.run_id = run.pk
@@ -173,10 +247,17 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         self._live: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=LIVE_QUEUE_CAPACITY)
         self._sender = asyncio.create_task(self._send_live())
         await _join_relay(self.channel_layer, self.run_id, self)
+        self._set_teams([run.experiment.team_id])
 
     async def disconnect(self, code):
+        await self._end_access_watch()
         if getattr(self, "run_id", None) is not None:
             await _leave_relay(self.run_id, self)
+            self._sender.cancel()
+
+    async def _stop_streaming(self) -> None:
+        await _leave_relay(self.run_id, self)
+        async with self._turn:  # a send under way finishes; the next one sees ``denied`` and stops
             self._sender.cancel()
 
     def relay(self, message: dict[str, Any]) -> None:
@@ -198,7 +279,7 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
                 return
 
     async def receive_json(self, content, **kwargs):
-        if getattr(self, "run_id", None) is None:
+        if getattr(self, "run_id", None) is None or self.denied:
             return
         after = content.get("after", 0) if isinstance(content, dict) else None
         if (
@@ -222,6 +303,8 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         while True:
             rows = await _entries(self.run_id, self.last_sent, upto)
             for row in rows:
+                if self.denied:
+                    return
                 await self.send_json(row)
                 self.last_sent = row["seq"]
             if len(rows) < BACKLOG_CHUNK:
@@ -231,6 +314,8 @@ class RunConsumer(AsyncJsonWebsocketConsumer):
         if self.last_sent is None:
             return  # not subscribed yet: the backlog read will include these (they are committed)
         for entry in message["entries"]:
+            if self.denied:
+                return
             seq = entry["seq"]
             if seq <= self.last_sent:
                 continue  # already sent (backlog, gap repair, or a race between senders)
@@ -253,7 +338,7 @@ def _runs_view(user) -> tuple[list[int], list[int], list[dict[str, Any]], list[d
     return teams, groups, [stream.run_summary(row) for row in rows], [stream.group_usage(g) for g in groups]
 
 
-class RunsConsumer(AsyncJsonWebsocketConsumer):
+class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
     """The runs list and cluster view: a snapshot of the user's unfinished runs and group usage, then changes."""
 
     async def connect(self):
@@ -262,6 +347,7 @@ class RunsConsumer(AsyncJsonWebsocketConsumer):
         if user is None:
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
+        await self._watch_access(user.pk)
         self.groups_joined: list[str] = []
         teams, groups, runs, usage = await _runs_view(user)
         # Join before sending the snapshot: a change after the snapshot read then arrives as a message.
@@ -272,16 +358,35 @@ class RunsConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "run", "data": run})
         for group in usage:
             await self.send_json({"type": "cluster", "data": group})
+        self._set_teams(teams)
 
     async def disconnect(self, code):
+        await self._end_access_watch()
+        await self._leave_groups()
+
+    async def _leave_groups(self) -> None:
         for name in getattr(self, "groups_joined", []):
             await self.channel_layer.group_discard(name, self.channel_name)
+        self.groups_joined = []
+
+    async def _stop_streaming(self) -> None:
+        await self._leave_groups()  # messages already queued are dropped below (``denied``)
 
     async def runs_run(self, message):
-        await self.send_json({"type": "run", "data": message["data"]})
+        if not self.denied:
+            await self.send_json({"type": "run", "data": message["data"]})
 
     async def runs_metrics(self, message):
-        await self.send_json({"type": "metrics", "data": message["data"]})
+        if not self.denied:
+            await self.send_json({"type": "metrics", "data": message["data"]})
 
     async def runs_cluster(self, message):
-        await self.send_json({"type": "cluster", "data": message["data"]})
+        if not self.denied:
+            await self.send_json({"type": "cluster", "data": message["data"]})
+
+    async def runs_queue(self, message):
+        # Runs of one team that moved in their queue (jobs.stream.append_state_changes): one message for all.
+        for run in message["data"]:
+            if self.denied:
+                return
+            await self.send_json({"type": "run", "data": run})

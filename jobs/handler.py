@@ -8,8 +8,8 @@ the actor may act.
 Every change of run state goes through ``transition``: it takes the group
 lock (rlplatform.locks order), re-reads the state, refuses illegal moves,
 applies the move as a conditional UPDATE, releases devices when a run stops
-holding them, and runs admission in the same transaction so freed devices go
-to the next runs at once.
+holding them, revokes the run's tokens when it ends, and runs admission in the
+same transaction so freed devices go to the next runs at once.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from jobs import accounting, admission, stream
+from jobs import accounting, admission, confinement, stream
+from jobs.ingest.tokens import REVOKED_AT, revoke_run_tokens
 from jobs.models import Experiment, Run
 from jobs.states import ACTIVE_STATES, REASON_REQUIRED, TERMINAL_STATES, IllegalTransition, RunState, check_transition
 from rlplatform import audit, locks
@@ -34,6 +35,7 @@ __all__ = [
     "HandlerError",
     "IllegalTransition",
     "InvalidInput",
+    "admit_and_stream",
     "cancel_run",
     "create_experiment",
     "create_quota",
@@ -298,17 +300,21 @@ def submit_run(
 
     With a ``submission_id`` already used in this experiment for the same spec
     and priority, returns that run and False (a CI retry); with a different
-    spec raises Conflict. Bad input raises InvalidInput and writes nothing.
+    spec raises Conflict. Bad input raises InvalidInput and writes nothing; a
+    path the experiment's team may not read is bad input (jobs.confinement).
     """
     _check_submit_args(submission_id, priority, name)
     text, parsed = _parse_spec(spec, overrides)
     resolved = parsed.resolved()
+    # Before anything else looks at a path: a refusal must not depend on whether the file exists.
+    refused = confinement.refused_spec_paths(experiment.team, resolved, parent_checkpoint)
+    if refused:
+        raise InvalidInput(refused)
     if submission_id is not None:
         existing = Run.objects.filter(experiment=experiment, submission_id=submission_id).first()
         if existing is not None:
             return _same_submission(existing, resolved, priority), False
     _check_fits(experiment, parsed)
-    states = stream.state_snapshot(experiment.group_id)
     try:
         with transaction.atomic():
             run = Run.objects.create(
@@ -331,12 +337,25 @@ def submit_run(
         if submission_id is None or existing is None:
             raise
         return _same_submission(existing, resolved, priority), False
-    admission.admit_group(experiment.group_id)
-    with transaction.atomic():
-        # The new run's first state entry, and any run admission moved (live UI, jobs.stream).
-        stream.append_state_changes(experiment.group_id, states, also=[run.pk])
+    admit_and_stream(experiment.group_id, also=[run.pk])  # the new run's first state entry comes with it
     run.refresh_from_db()
     return run, True
+
+
+def admit_and_stream(group_id: int, also: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """An admission pass over the group, then the live UI told what it changed (jobs.stream); returns the
+    admitted run ids.
+
+    The snapshot is taken under the group lock: one taken before it would count every run that concurrent
+    submits and cancels changed meanwhile as changed here too, and stream it a second time.
+    """
+    with transaction.atomic():
+        group = locks.lock_group(group_id)
+        quotas = locks.lock_group_quotas(group_id)
+        states = stream.state_snapshot(group_id)
+        admitted = admission.admit_locked(group, quotas, timezone.now())
+        stream.append_state_changes(group_id, states, also=also)
+    return admitted
 
 
 # --- state changes -----------------------------------------------------------------------------
@@ -375,6 +394,8 @@ def transition(run: Run, target: RunState | str, reason: str = "") -> Run:
             accounting.release_run(run.pk, now)
         if releases or target == RunState.QUEUED or current == RunState.QUEUED:
             admission.admit_locked(group, quotas, now)
+        if target in REVOKED_AT:  # the run ended: its tokens stop writing (jobs/ingest/tokens.py)
+            revoke_run_tokens(run)
         stream.append_state_changes(group_id, states, also=[run.pk])  # this run and any admission moved
     run.refresh_from_db()
     return run

@@ -46,8 +46,7 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from jobs import handler, placement, stream
-from jobs.ingest.tokens import revoke_run_tokens
+from jobs import confinement, handler, placement, stream
 from jobs.models import Allocation, Experiment, Run, RunEvent, RunRole, RunToken
 from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
@@ -71,7 +70,7 @@ SPOOL_REPLAY_BATCH = 500  # records per stored batch when the platform replays a
 
 def run_dir(run_id: int) -> Path:
     """The run's directory: checkpoints, reporter spools, role logs (inside the checkpoint root)."""
-    return Path(settings.TANDEM_CHECKPOINT_ROOT) / f"run-{run_id}"
+    return confinement.run_directory(run_id)
 
 
 def role_dir(role: RunRole) -> Path:
@@ -391,9 +390,6 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
         decision = _decide(role, run, exit_code, log_tail, error, why)
         role.refresh_from_db()  # a restart may have queued its next attempt through another instance of the row
         stream_role(role)
-        run.refresh_from_db()
-        if RunState(run.state) not in ACTIVE_STATES and run.state != RunState.QUEUED:
-            revoke_run_tokens(run)
     if decision == "superseded":
         launch_run(run.pk)  # nothing when other attempts of the earlier admission still live
     return decision

@@ -16,6 +16,14 @@ Callers append at the end of their transaction, so the counter lock is held brie
 The runs list (``ws/runs/``) gets ``run`` messages on the groups ``team.<id>``
 and cluster usage on ``cluster.<group id>``; those carry no sequence number
 (they are snapshots: the latest one wins).
+
+A run that only moved in its queue (still QUEUED; its position or the reason it
+waits changed because a run ahead left or was admitted) gets no entry of its
+own: one cancel at the head of a 1,000-run queue would otherwise write 1,000
+entries under the group lock. Its new position and reason are in the table
+(``Run.queue_position``, read by every page and the REST API) and go to the runs
+lists as one ``runs.queue`` message per team. A run's terminal state also goes to
+``run.<id>.end``, which long-polls (jobs.longpoll) wait on.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from channels.layers import get_channel_layer
 from django.db import connection, transaction
 
 from jobs.models import Run, RunStreamEntry, StreamType
+from jobs.states import TERMINAL_STATES, RunState
 from runtime import metrics as M
 
 __all__ = [
@@ -38,6 +47,7 @@ __all__ = [
     "append_state_changes",
     "cluster_group",
     "group_usage",
+    "run_end_group",
     "run_group",
     "run_summary",
     "state_snapshot",
@@ -56,6 +66,11 @@ RETURNING last_seq
 
 def run_group(run_id: int) -> str:
     return f"run.{run_id}"
+
+
+def run_end_group(run_id: int) -> str:
+    """Told once the run's terminal state has committed (what ``GET /api/runs/{id}/wait/`` waits for)."""
+    return f"run.{run_id}.end"
 
 
 def team_group(team_id: int) -> str:
@@ -124,28 +139,42 @@ def state_snapshot(group_id: int) -> dict[int, tuple]:
 
 
 def _terminal() -> list[str]:
-    from jobs.states import TERMINAL_STATES
-
     return [s.value for s in TERMINAL_STATES]
 
 
 def append_state_changes(group_id: int, before: dict[int, tuple], also: Iterable[int] = ()) -> list[int]:
-    """Append a ``state`` entry for each run of the group whose state, reason or queue position differs
-    from ``before`` (and for the runs in ``also``, e.g. one that just ended); tell the runs list and
-    the cluster view. Returns the ids of the runs that changed."""
-    ids = set(before) | set(also)
+    """Stream what changed since ``before`` for the runs of the group (and the runs in ``also``, e.g. one
+    that just ended); tell the runs lists and the cluster view. Returns the ids of the runs that changed.
+
+    A run whose state changed, or one in ``also``, gets a ``state`` entry and a ``runs.run`` message. A run
+    that stayed QUEUED and only moved in the queue (position or reason) gets neither: those go to the runs
+    lists as one ``runs.queue`` message per team, so the cost of a cancel does not grow with the queue
+    behind it (a page opened later reads positions from the table)."""
+    also = set(also)
+    ids = set(before) | also
     rows = Run.objects.filter(pk__in=ids) | Run.objects.in_group(group_id).exclude(state__in=_terminal())
+    terminal = set(_terminal())
     changed = []
+    moved: dict[int, list[dict[str, Any]]] = {}  # team id -> summaries of its runs that moved in the queue
     for row in rows.values(*_SNAPSHOT_FIELDS, "experiment__name").order_by("pk"):
         now = (row["state"], row["reason"], row["queue_position"])
-        if before.get(row["pk"]) == now:
+        was = before.get(row["pk"])
+        if was == now:
             continue
         changed.append(row["pk"])
-        append(row["pk"], StreamType.STATE, {"state": now[0], "reason": now[1], "queue_position": now[2]})
         summary = run_summary(row)
-        transaction.on_commit(
-            lambda s=summary, t=row["experiment__team_id"]: _send(team_group(t), {"type": "runs.run", "data": s})
-        )
+        team_id = row["experiment__team_id"]
+        if row["pk"] not in also and was is not None and was[0] == now[0] == RunState.QUEUED.value:
+            moved.setdefault(team_id, []).append(summary)
+            continue
+        append(row["pk"], StreamType.STATE, {"state": now[0], "reason": now[1], "queue_position": now[2]})
+        transaction.on_commit(lambda s=summary, t=team_id: _send(team_group(t), {"type": "runs.run", "data": s}))
+        if now[0] in terminal:
+            message = {"type": "run.ended", "run": row["pk"], "state": now[0]}
+            transaction.on_commit(lambda r=row["pk"], m=message: _send(run_end_group(r), m))
+    for team_id, summaries in moved.items():
+        message = {"type": "runs.queue", "data": summaries}
+        transaction.on_commit(lambda t=team_id, m=message: _send(team_group(t), m))
     if changed:
         transaction.on_commit(lambda: _send_usage(group_id))
     return changed

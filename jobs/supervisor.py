@@ -64,6 +64,7 @@ from jobs.ingest.tokens import mint_run_token
 from jobs.models import RoleHeartbeat, Run, RunRole
 from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
+from rlplatform import shutdown
 from rlplatform.agent import config_from_env
 from rlplatform.models import Host
 
@@ -401,7 +402,8 @@ class Supervisor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(5.0, 2 * self.period_s))
+            # A daemon: a pass still running (a slow database) must not hold the worker's shutdown.
+            self._thread.join(timeout=shutdown.THREAD_JOIN_S)
 
 
 _supervisor: Supervisor | None = None
@@ -425,3 +427,4 @@ def _stop_supervisor(sender, **kwargs) -> None:
     if _supervisor is not None:
         _supervisor.stop()
         _supervisor = None
+        shutdown.arm_exit_guard()  # the pool has stopped: only the interpreter's exit is left

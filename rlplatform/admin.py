@@ -1,18 +1,20 @@
 """Django admin for teams, memberships, groups, hosts, devices, tokens and the audit log.
 
-Changes of audited models (memberships here; quotas in jobs/admin.py, since a
-quota change re-runs admission) write audit rows through AuditedAdmin.
+Changes of audited models (teams, whose data roots widen what their specs may
+read, and memberships here; quotas in jobs/admin.py, since a quota change
+re-runs admission) write audit rows through AuditedAdmin.
 Tokens are minted through the API (the plaintext must be shown once), so the
 admin can only list and revoke them.
 """
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db import transaction
 
 from rlplatform import audit, tokens
 from rlplatform.memberships import AUDITED_FIELDS as MEMBERSHIP_FIELDS
+from rlplatform.memberships import notify_access_changed
 from rlplatform.models import APIToken, AuditLog, Device, Host, Membership, ResourceGroup, Team
 
 
@@ -65,8 +67,12 @@ class MembershipInline(admin.TabularInline):
 
 
 @admin.register(Team)
-class TeamAdmin(admin.ModelAdmin):
+class TeamAdmin(AuditedAdmin):
+    # data_roots widens what the team's specs may read (jobs/confinement.py): every change is audited.
+    audited_fields = ("name", "description", "data_roots")
+    audit_name = "team"
     list_display = ["name", "created_at"]
+    fields = ["name", "description", "data_roots"]
     search_fields = ["name"]
     inlines = [MembershipInline]
 
@@ -79,6 +85,26 @@ class MembershipAdmin(AuditedAdmin):
     list_filter = ["role", "team"]
     search_fields = ["user__username", "team__name"]
     autocomplete_fields = ["user", "team"]
+
+    # Saved here, not through rlplatform.memberships: tell the users' open live-UI sockets to re-check too.
+    def save_model(self, request, obj, form, change):
+        with transaction.atomic():
+            before = Membership.objects.filter(pk=obj.pk).values_list("user_id", flat=True).first() if change else None
+            super().save_model(request, obj, form, change)
+            for user_id in {before, obj.user_id} - {None}:
+                notify_access_changed(user_id)
+
+    def delete_model(self, request, obj):
+        with transaction.atomic():
+            super().delete_model(request, obj)
+            notify_access_changed(obj.user_id)
+
+    def delete_queryset(self, request, queryset):
+        with transaction.atomic():
+            user_ids = set(queryset.values_list("user_id", flat=True))
+            super().delete_queryset(request, queryset)
+            for user_id in user_ids:
+                notify_access_changed(user_id)
 
 
 class HostInline(admin.TabularInline):
@@ -119,8 +145,19 @@ class DeviceAdmin(admin.ModelAdmin):
 
 @admin.action(description="Revoke selected tokens")
 def revoke_tokens(modeladmin, request, queryset):
-    revoked = sum(tokens.revoke(token, actor=request.user) for token in queryset)
+    revoked, denied = 0, []
+    for token in queryset:
+        try:
+            revoked += tokens.revoke(token, actor=request.user)
+        except tokens.RevokeDenied:  # its owner outranks this admin in the token's team: left as it is
+            denied.append(token.prefix)
     modeladmin.message_user(request, f"Revoked {revoked} token(s).")
+    if denied:
+        modeladmin.message_user(
+            request,
+            f"Not revoked, their owners outrank you in their teams: {', '.join(denied)}.",
+            level=messages.WARNING,
+        )
 
 
 @admin.register(APIToken)

@@ -30,7 +30,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connection
 
-from rlplatform import hosts, inventory
+from rlplatform import hosts, inventory, shutdown
 from rlplatform.env import env_int, env_str
 
 logger = logging.getLogger(__name__)
@@ -166,16 +166,26 @@ class HostAgent:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the heartbeat and mark the host offline, within seconds (rlplatform.shutdown)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(5.0, 2 * self.config.heartbeat_s))
+            self._thread.join(timeout=shutdown.THREAD_JOIN_S)  # a daemon: a beat still running cannot hold us
+
+        def mark_offline() -> bool:
+            try:
+                return hosts.mark_offline(self.config.host_name)
+            finally:
+                connection.close()  # this helper thread's connection
+
         try:
-            if hosts.mark_offline(self.config.host_name):
-                logger.info("host agent %s: host marked offline", self.config.host_name)
+            marked = shutdown.bounded(mark_offline, shutdown.MARK_OFFLINE_S, "mark-offline")
         except Exception:  # shutting down with the database gone: the watchdog will mark it lost instead
             logger.exception("host agent %s: could not mark the host offline", self.config.host_name)
-        finally:
-            connection.close()
+            return
+        if marked:
+            logger.info("host agent %s: host marked offline", self.config.host_name)
+        elif marked is None:  # still waiting for the database: the watchdog marks the host lost later
+            logger.warning("host agent %s: host not marked offline in time", self.config.host_name)
 
 
 _agent: HostAgent | None = None
@@ -211,3 +221,4 @@ def _stop_agent(sender, **kwargs) -> None:
     if _agent is not None:
         _agent.stop()
         _agent = None
+        shutdown.arm_exit_guard()  # the pool has stopped: only the interpreter's exit is left

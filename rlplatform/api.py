@@ -13,13 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.apps import apps
-from django.core.exceptions import ObjectDoesNotExist
+from django.core.exceptions import ObjectDoesNotExist, RequestDataTooBig
 from django.db.models import Count, Exists, OuterRef, ProtectedError, Q
+from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import ParseError, ValidationError
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -27,6 +28,7 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from rlplatform import permissions as perms
 from rlplatform import tokens
 from rlplatform.api_auth import request_token
+from rlplatform.input_boundary import InputRejected
 from rlplatform.memberships import MembershipError
 from rlplatform.models import APIToken, AuditLog, Device, Host, ResourceGroup, Role, Team
 from rlplatform.tokens import TokenError
@@ -49,6 +51,38 @@ class ErrorsSerializer(serializers.Serializer):
     """Body of every 400 reply."""
 
     errors = FieldErrorSerializer(many=True)
+
+
+class DetailSerializer(serializers.Serializer):
+    """Body of every 401, 403, 404, 409 and 415 reply."""
+
+    detail = serializers.CharField()
+
+
+class APIAutoSchema(AutoSchema):
+    """The schema of every operation also states the error replies it can give, unless it documents its own:
+    400 (the input boundary applies to every request), 401/403, 404 where a path names an object or a page,
+    409 for writes, 415 where there is a body."""
+
+    def _get_response_bodies(self, direction="response"):
+        responses = super()._get_response_bodies(direction)
+        errors = {
+            "400": OpenApiResponse(ErrorsSerializer, description="Bad input, each problem naming its field"),
+            "401": OpenApiResponse(DetailSerializer, description="No credentials, or a token not valid"),
+            "403": OpenApiResponse(DetailSerializer, description="Your role does not allow this"),
+        }
+        if "{" in self.path:
+            errors["404"] = OpenApiResponse(DetailSerializer, description="No such object among your teams'")
+        elif self.method == "GET" and self._is_list_view() and self._get_paginator() is not None:
+            errors["404"] = OpenApiResponse(DetailSerializer, description="No such page")
+        if self.method not in ("GET", "HEAD", "OPTIONS"):
+            errors["409"] = OpenApiResponse(DetailSerializer, description="The object's state does not allow this")
+        if self.method in ("POST", "PUT", "PATCH"):
+            errors["415"] = OpenApiResponse(DetailSerializer, description="The body is not JSON")
+        for code, response in errors.items():
+            if code not in responses:
+                responses[code] = self._get_response_for_code(response, code, direction=direction)
+        return responses
 
 
 def errors_response(errors: list[dict[str, str]], code: int = status.HTTP_400_BAD_REQUEST) -> Response:
@@ -80,9 +114,10 @@ def _field_errors(exc: Exception) -> list[dict[str, str]]:
     return [{"field": getattr(exc, "field", "request"), "message": getattr(exc, "message", str(exc))}]
 
 
-# Domain exception -> HTTP status. Bodies: 400 carries field errors, the rest {"detail": ...}.
-# jobs.errors extends this table with the jobs domain's exceptions.
+# Domain exception -> HTTP status: the one table. Bodies: 400 carries field errors, the rest {"detail": ...}.
+# jobs.errors extends it with the jobs domain's exceptions, jobs.ingest.views with the ingest API's.
 PLATFORM_ERRORS: list[tuple[type[Exception], int]] = [
+    (InputRejected, status.HTTP_400_BAD_REQUEST),
     (TokenError, status.HTTP_400_BAD_REQUEST),
     (MembershipError, status.HTTP_400_BAD_REQUEST),
     (ObjectDoesNotExist, status.HTTP_404_NOT_FOUND),
@@ -105,7 +140,14 @@ def make_exception_handler(table: list[tuple[type[Exception], int]]):
                 return Response({"detail": str(exc)}, status=code)
         if isinstance(exc, ValidationError):
             return errors_response(_flatten(exc.detail))
-        return drf_exception_handler(exc, context)
+        if isinstance(exc, RequestDataTooBig):  # Django's own size check, when a view reads request.body
+            return errors_response([{"field": "body", "message": str(exc)}])
+        response = drf_exception_handler(exc, context)
+        if response is not None and response.status_code == status.HTTP_400_BAD_REQUEST:
+            # Any other 400 of DRF (ParseError from a parser other than ours, ...): the same shape.
+            field = "body" if isinstance(exc, ParseError) else "request"
+            return errors_response(_flatten(response.data.get("detail", response.data), field))
+        return response
 
     return handler
 
@@ -407,7 +449,10 @@ class TokenViewSet(
 
     def _revoke(self, request) -> Response:
         token = self.get_object()
-        tokens.revoke(token, actor=request.user)
+        try:
+            tokens.revoke(token, actor=request.user)
+        except tokens.RevokeDenied as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_403_FORBIDDEN)
         token.refresh_from_db()
         return Response(TokenSerializer(token, context={"request": request}).data)
 

@@ -1,13 +1,45 @@
-"""Adding, changing and removing team members — always audited."""
+"""Adding, changing and removing team members — always audited.
+
+Every change also tells the member's open live-UI sockets (the channel group
+``access_group(user)``) to re-check their access at once, after commit: a
+removed member's socket closes instead of streaming on (jobs.consumers).
+"""
 
 from __future__ import annotations
 
+import logging
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
 from django.db import transaction
 
 from rlplatform import audit, locks
 from rlplatform.models import Membership, Role, Team
 
 AUDITED_FIELDS = ("team", "user", "role")
+ACCESS_CHANGED = "access.changed"  # the message type; the consumers' handler is ``access_changed``
+
+log = logging.getLogger(__name__)
+
+
+def access_group(user_id: int) -> str:
+    """The channel group every open live-UI socket of the user joins."""
+    return f"user.{user_id}"
+
+
+def notify_access_changed(user_id: int) -> None:
+    """Once the current transaction commits, ask the user's open sockets to re-check their access."""
+    transaction.on_commit(lambda: _send_access_changed(user_id))
+
+
+def _send_access_changed(user_id: int) -> None:
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(access_group(user_id), {"type": ACCESS_CHANGED})
+    except Exception:  # a channel-layer outage must not fail the committed change; the sockets' timer catches it
+        log.warning("could not tell user %s's sockets to re-check their access", user_id, exc_info=True)
 
 
 class MembershipError(ValueError):
@@ -37,6 +69,7 @@ def set_member(team: Team, user, role: str, actor=None) -> Membership:
             membership.role = role
             membership.save(update_fields=["role"])
             audit.record(actor, "membership.update", membership, before, audit.snapshot(membership, AUDITED_FIELDS))
+            notify_access_changed(user.pk)
         return membership
 
 
@@ -49,4 +82,5 @@ def remove_member(team: Team, user, actor=None) -> bool:
         before = audit.snapshot(membership, AUDITED_FIELDS)
         audit.record(actor, "membership.delete", membership, before, None, team=team)
         membership.delete()
+        notify_access_changed(user.pk)
         return True

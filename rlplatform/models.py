@@ -8,7 +8,10 @@ Runs and allocations live in the jobs app, which depends on this one.
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
@@ -34,9 +37,25 @@ class DeviceKind(models.TextChoices):
 SPEC_DEVICE_TO_KIND = {"npu": DeviceKind.NPU, "cuda": DeviceKind.GPU, "cpu": DeviceKind.CPU}
 
 
+def validate_data_roots(value) -> None:
+    """``Team.data_roots``: a list of absolute directory paths (resolved when a spec is checked)."""
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValidationError("must be a list of absolute directory paths")
+    for item in value:
+        if "\x00" in item or not PurePosixPath(item).is_absolute():
+            raise ValidationError(f"{item!r} is not an absolute path")
+
+
 class Team(models.Model):
     name = models.CharField(max_length=100, unique=True)
     description = models.TextField(blank=True)
+    data_roots = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_data_roots],
+        help_text="Directories this team's run specs may read models and datasets from (absolute paths, "
+        'e.g. ["/data/team-a"]), besides its own runs\' directories and TANDEM_SHARED_MODEL_ROOT.',
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:

@@ -5,10 +5,18 @@ cancel runs and create experiments, admins also manage members, tokens and
 quotas. Superusers act as admin of every team. An API token acts as its user
 but only inside its own team: pass it as ``token`` and every other team is
 invisible.
+
+An open live-UI socket was authorised when it connected; ``recheck_socket``
+decides whether it may stay open now (jobs.consumers asks when the user's
+memberships change and on a timer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from enum import StrEnum
+
+from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 
 from rlplatform.models import ROLE_RANK, APIToken, Membership, ResourceGroup, Role, Team
@@ -71,3 +79,22 @@ def can_manage_groups(user, token: APIToken | None = None) -> bool:
     if user is None or not getattr(user, "is_authenticated", False) or not user.is_active:
         return False
     return token is None and (user.is_superuser or user.is_staff)
+
+
+class SocketAccess(StrEnum):
+    """A re-check of an open socket: keep it, or why it must close."""
+
+    KEEP = "keep"
+    SIGNED_OUT = "signed_out"  # the user was deleted or deactivated
+    LOST_TEAM = "lost_team"  # the user no longer sees a team whose data the socket shows
+
+
+def recheck_socket(user_id: int, team_ids: Collection[int]) -> SocketAccess:
+    """Whether a socket of ``user_id`` showing ``team_ids``' data may stay open, from fresh rows (the
+    socket's own user object is as old as the socket)."""
+    user = get_user_model().objects.filter(pk=user_id).first()
+    if user is None or not user.is_active:
+        return SocketAccess.SIGNED_OUT
+    wanted = set(team_ids)
+    seen = set(teams_for(user).filter(pk__in=wanted).values_list("pk", flat=True))
+    return SocketAccess.KEEP if seen == wanted else SocketAccess.LOST_TEAM

@@ -59,6 +59,9 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "rlplatform.security_headers.ContentSecurityPolicyMiddleware",  # every reply, errors included
+    # API input limits (NUL in query strings, oversized bodies) before any session or auth query.
+    "rlplatform.input_boundary.InputBoundaryMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -106,6 +109,9 @@ if _default_db["ENGINE"].endswith("sqlite3"):
 _is_postgres = _default_db["ENGINE"].endswith("postgresql")
 DATABASE_POOL = env_bool("DATABASE_POOL", _is_postgres)
 DATABASE_POOL_MIN = env_int("DATABASE_POOL_MIN", 2, minimum=0)
+# Per process (each uvicorn worker, each Celery worker process). 16 covers a web worker's concurrent
+# requests: long-polls hold no connection while they wait (jobs/longpoll.py). Keep workers x MAX, plus
+# Celery's, below PostgreSQL's max_connections (README, Configuration).
 DATABASE_POOL_MAX = env_int("DATABASE_POOL_MAX", 16, minimum=1)
 DATABASE_POOL_TIMEOUT_S = env_float("DATABASE_POOL_TIMEOUT_S", 10.0, minimum=0.1)
 if DATABASE_POOL and not _is_postgres:
@@ -141,6 +147,17 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+# The cache holds login-throttle counts (rlplatform/login_throttle.py): in Redis every web process
+# shares them; without Redis, the one web process's memory.
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "tandem",
+            "OPTIONS": {"socket_timeout": 5, "socket_connect_timeout": 5},
+        }
+    }
 
 # Celery (rlplatform/celery.py reads the CELERY_* names). Without Redis, a
 # filesystem broker under var/ lets the web process, a local worker and beat
@@ -186,6 +203,12 @@ if TANDEM_HOST_GRACE_S < 2 * TANDEM_HEARTBEAT_S:
 # directory; retention of old checkpoints runs this often.
 TANDEM_CHECKPOINT_ROOT = Path(env_str("TANDEM_CHECKPOINT_ROOT", str(BASE_DIR / "runs"))).resolve()
 TANDEM_RETENTION_INTERVAL_S = env_float("TANDEM_RETENTION_INTERVAL_S", 300.0, minimum=1.0)
+# Path confinement (jobs/confinement.py): besides its own runs' directories and its admin-set data roots,
+# every team's specs may name files under this read-only model directory. Unset: no shared root.
+_shared_model_root = env_str("TANDEM_SHARED_MODEL_ROOT")
+if _shared_model_root is not None and not Path(_shared_model_root).is_absolute():
+    raise ImproperlyConfigured(f"environment variable TANDEM_SHARED_MODEL_ROOT={_shared_model_root!r} is not absolute")
+TANDEM_SHARED_MODEL_ROOT = Path(_shared_model_root).resolve() if _shared_model_root is not None else None
 # Role processes (docs/running-runs.md): each run's directory is <TANDEM_CHECKPOINT_ROOT>/run-<id> (shared
 # storage in a cluster, so a restarted role finds its checkpoints); roles reach the platform at
 # TANDEM_PLATFORM_URL; host supervisors look at their processes every TANDEM_SUPERVISE_S; a live process
@@ -226,6 +249,9 @@ TANDEM_DEFAULT_QUOTA = {
 # group (no starvation of large gangs). On: smaller runs may jump ahead.
 TANDEM_ADMISSION_BACKFILL = env_bool("TANDEM_ADMISSION_BACKFILL", False)
 TANDEM_TOKEN_TTL_DAYS = env_int("TANDEM_TOKEN_TTL_DAYS", 90, minimum=1, maximum=3650)
+# Open live-UI WebSockets re-check their user's access this often (jobs/consumers.py), besides at once
+# on a membership change: the backstop for changes made outside rlplatform.memberships.
+TANDEM_WS_ACCESS_RECHECK_S = env_float("TANDEM_WS_ACCESS_RECHECK_S", 30.0, minimum=0.1)
 
 # --- Auth, REST framework, OpenAPI -------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -234,6 +260,11 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+# Usernames and passwords are checked through the login throttle (rlplatform/login_throttle.py).
+AUTHENTICATION_BACKENDS = ["rlplatform.login_throttle.ThrottledModelBackend"]
+TANDEM_LOGIN_MAX_FAILURES = env_int("TANDEM_LOGIN_MAX_FAILURES", 5, minimum=1)
+TANDEM_LOGIN_MAX_FAILURES_PER_ADDRESS = env_int("TANDEM_LOGIN_MAX_FAILURES_PER_ADDRESS", 20, minimum=1)
+TANDEM_LOGIN_LOCKOUT_S = env_int("TANDEM_LOGIN_LOCKOUT_S", 900, minimum=1)
 LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/login/"
@@ -246,7 +277,10 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 50,
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "rlplatform.api.APIAutoSchema",
+    # JSON only, within the input boundary's limits (rlplatform/input_boundary.py).
+    "DEFAULT_PARSER_CLASSES": ["rlplatform.input_boundary.BoundedJSONParser"],
+    "EXCEPTION_HANDLER": "rlplatform.api.platform_exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tandem API",

@@ -19,7 +19,7 @@ from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from rlplatform import audit
-from rlplatform.models import APIToken, Membership, Team
+from rlplatform.models import ROLE_RANK, APIToken, Membership, Team
 
 TOKEN_PREFIX = "tdm_"
 # last_used_at is written at most this often, so reads stay read-only under load.
@@ -87,8 +87,40 @@ def mint(
     raise RuntimeError("could not allocate a unique token prefix")
 
 
+class RevokeDenied(PermissionError):
+    """The actor ranks below the token's owner in the token's team."""
+
+
+# A superuser outranks every team role.
+SUPERUSER_RANK = max(ROLE_RANK.values()) + 1
+
+
+def _rank_in_team(user, team_id: int) -> int:
+    """The user's rank in the team: superuser above admin, 0 for a non-member."""
+    if user.is_superuser:
+        return SUPERUSER_RANK
+    role = Membership.objects.filter(team_id=team_id, user=user).values_list("role", flat=True).first()
+    return ROLE_RANK.get(role, 0) if role else 0
+
+
+def may_revoke(actor, token: APIToken) -> bool:
+    """The token's owner, or someone of at least the owner's rank in the token's team, may revoke it."""
+    if actor.pk == token.user_id:
+        return True
+    return _rank_in_team(actor, token.team_id) >= _rank_in_team(token.user, token.team_id)
+
+
 def revoke(token: APIToken, actor=None) -> bool:
-    """Revoke a token; False if it already was. Audited."""
+    """Revoke a token; False if it already was. Audited.
+
+    With an ``actor`` (a person, not the platform itself) the rank rule of ``may_revoke`` applies:
+    raises RevokeDenied, and nothing changes, when the actor is outranked by the token's owner.
+    """
+    if actor is not None and not may_revoke(actor, token):
+        raise RevokeDenied(
+            f"token {token.prefix} belongs to {token.user.get_username()}, who outranks you in its team;"
+            " only they or someone of their rank can revoke it"
+        )
     with transaction.atomic():
         before = audit.snapshot(token, AUDITED_FIELDS)
         now = timezone.now()

@@ -16,6 +16,7 @@ from rest_framework.routers import SimpleRouter
 from jobs import views as pages
 from jobs.api.urls import router as jobs_router
 from rlplatform import api
+from rlplatform.login_throttle import ThrottledLoginForm
 
 router = SimpleRouter()
 router.register("teams", api.TeamViewSet, basename="team")
@@ -32,7 +33,7 @@ urlpatterns = [
     path("api/docs/", pages.api_docs, name="api-docs"),
     path("api/ingest/", include("jobs.ingest.urls")),
     path("api/", include(router.urls)),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", auth_views.LoginView.as_view(authentication_form=ThrottledLoginForm), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("jobs.urls")),
 ]

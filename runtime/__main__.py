@@ -12,9 +12,9 @@
     python -m runtime role evaluator|trainer-ranks --spec FILE --workdir DIR         (its remote evaluator, ranks)
 
 Bad input — an unknown or invalid field, an impossible combination, a
-missing model path or dataset, a device that is not there, a corrupt or
-partial checkpoint — is found before any work starts and reported as one
-line naming the field, with exit status 2. A failure during the run exits 1
+missing model path or dataset, a malformed dataset row, a broken tokenizer
+file, a device that is not there, a corrupt or partial checkpoint — is
+reported as one line naming the field (or file and row), with exit status 2. A failure during the run exits 1
 with a one-line reason. ``role`` also takes its settings from ``TANDEM_*``
 environment variables (runtime.role, docs/runtime-role.md).
 """
@@ -48,8 +48,22 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from runtime.devices import DeviceError
     from runtime.models import ModelError
     from runtime.role import RoleInputError
+    from runtime.tasks import TaskError
+    from runtime.trainer import TrainerError
 
-    return (UsageError, SpecError, AlgorithmError, CheckpointError, DeviceError, ModelError, RoleInputError)
+    # Every error class the runtime raises for what it was given (spec, dataset rows, model directory,
+    # tokenizer, checkpoint, device): the platform fails the run once on exit 2 and blames no host.
+    return (
+        UsageError,
+        SpecError,
+        AlgorithmError,
+        CheckpointError,
+        DeviceError,
+        ModelError,
+        RoleInputError,
+        TaskError,
+        TrainerError,
+    )
 
 
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:

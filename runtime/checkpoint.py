@@ -69,6 +69,7 @@ class CheckpointInfo:
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
     created: float = 0.0
+    size: int = 0  # bytes of the files its manifest lists
 
     @property
     def hf_dir(self) -> Path | None:
@@ -185,14 +186,7 @@ class CheckpointManager:
                 continue
             if manifest["step"] != int(match.group(1)):
                 continue  # renamed or copied by hand: not a checkpoint this manager wrote here
-            infos.append(
-                CheckpointInfo(
-                    path=entry,
-                    step=int(manifest["step"]),
-                    metrics=dict(manifest.get("metrics") or {}),
-                    created=float(manifest.get("created", 0.0)),
-                )
-            )
+            infos.append(_info(entry, manifest))
         return sorted(infos, key=lambda i: i.step)
 
     def latest(self) -> Path | None:
@@ -337,11 +331,19 @@ def load_checkpoint(path: str | Path, keys: Iterable[str] | None = None) -> dict
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:
-    """Step, metrics and creation time of a checkpoint (manifest only, no checksums)."""
+    """Step, metrics, creation time and size of a checkpoint (manifest only, no checksums)."""
     path = Path(path)
-    m = read_manifest(path)
+    return _info(path, read_manifest(path))
+
+
+def _info(path: Path, manifest: Mapping[str, Any]) -> CheckpointInfo:
+    files = manifest.get("files") or {}
     return CheckpointInfo(
-        path=path, step=m["step"], metrics=dict(m.get("metrics") or {}), created=m.get("created", 0.0)
+        path=path,
+        step=int(manifest["step"]),
+        metrics=dict(manifest.get("metrics") or {}),
+        created=float(manifest.get("created", 0.0)),
+        size=sum(int(entry.get("bytes", 0)) for entry in files.values() if isinstance(entry, dict)),
     )
 
 

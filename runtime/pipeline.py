@@ -231,7 +231,7 @@ class RunContext:
         self.weights.load_state_dict({"version": int(p["version"])})
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> Path:
-        from runtime.checkpoint import capture_rng
+        from runtime.checkpoint import capture_rng, checkpoint_info
         from runtime.models import save_hf
 
         verify = getattr(self.trainer, "verify", None)  # data-parallel ranks: only rank 0's state is saved
@@ -263,7 +263,17 @@ class RunContext:
         )
         self.ckpt_step, self.ckpt_path = step, path
         self.dropped_marks[step] = len(self.trace["dropped"])
-        self.reporters.event("checkpoint", {"step": step, "path": str(path)})
+        info = checkpoint_info(path)  # its manifest: what the platform's checkpoint browser shows
+        self.reporters.event(
+            "checkpoint",
+            {
+                "step": step,
+                "path": str(path),
+                "weight_version": self.weights.version,
+                "size": info.size,
+                "metrics": info.metrics,
+            },
+        )
         return path
 
     def should_stop(self, step: int) -> bool:

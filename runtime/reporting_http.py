@@ -46,6 +46,7 @@ from runtime.metrics import ReporterError, clean_metrics, end_of_last_line, line
 SPOOL_FILE = "spool.jsonl"
 CURSOR_FILE = "cursor.json"
 DEFAULT_PATH = "/api/ingest/metrics"
+REFUSED_STATUSES = (401, 403)  # the token is no good (any more): retrying cannot help
 
 
 class PostError(Exception):
@@ -181,6 +182,10 @@ class HttpReporter:
 
         self.last_error: str | None = None
         self.failures = 0  # consecutive failed POSTs
+        # The platform refused the token (401/403): the run ended (its tokens end with it) or the token is
+        # not its own. No retry can succeed, so the sender stops and the records stay in the spool, which
+        # the platform replays when this role exits.
+        self.refused = False
         self.posts = 0  # acknowledged POSTs
         self._closing = False
         self._wake = False
@@ -203,7 +208,7 @@ class HttpReporter:
             self._cond.notify_all()
             while self._offset < self._size:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
+                if left <= 0 or self.refused or not self._thread.is_alive():
                     return False
                 self._cond.wait(left)
             # Everything is delivered: the wake-up is spent. Left set, it would cut the sender's next pause
@@ -341,6 +346,10 @@ class HttpReporter:
             except Exception as exc:  # never let the thread die: records would stop moving
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 ok = False
+            if self.refused:
+                with self._cond:
+                    self._cond.notify_all()  # a waiting flush() sees the sender gone and returns at once
+                return
             if ok:
                 self.failures = 0
                 pause = self.min_interval_s
@@ -367,6 +376,7 @@ class HttpReporter:
             reply = self._poster.post(self.path, body)
         except PostError as exc:
             self.last_error = str(exc)
+            self.refused = exc.status in REFUSED_STATUSES
             return False
         self._commit(end)
         self.posts += 1

@@ -13,12 +13,23 @@ offending field by its dotted path.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class SpecError(ValueError):
@@ -42,6 +53,104 @@ def check_http_url(url: str) -> str:
     return url
 
 
+# --- input limits: what any spec text or value may contain ---------------------------------------
+
+MAX_NESTING = 64
+"""Deepest nesting of lists and mappings accepted in a spec (the platform applies it to every API body).
+Real specs nest three levels; parsers recurse per level, so an unbounded depth is a crash."""
+MAX_REPORTED_ERRORS = 20  # of one kind of input problem, so a reply stays small
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored or sent as text (PostgreSQL and UTF-8 refuse both), or None."""
+    if "\x00" in text:
+        return "contains a NUL character (\\u0000)"
+    if _SURROGATE.search(text):
+        return "contains a lone surrogate (\\ud800-\\udfff), which is not valid Unicode"
+    return None
+
+
+def data_problems(value: Any, root: str = "", whole: str = "body") -> list[dict[str, str]]:
+    """Field errors for JSON-like ``value``: strings (mapping keys too) that are not storable text, and
+    lists or mappings nested deeper than MAX_NESTING. Paths are dotted from ``root`` (``spec.model.path``,
+    ``points.3``); a problem of the value as a whole is reported as ``whole``, a bad key at its parent,
+    never echoed. Iterative, and each list or mapping is visited once (YAML aliases share them), so any
+    depth or alias graph is safe to inspect."""
+    errors: list[dict[str, str]] = []
+    seen: set[int] = set()
+    stack: list[tuple[Any, str, int]] = [(value, root, 0)]
+    while stack and len(errors) < MAX_REPORTED_ERRORS:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            problem = text_problem(node)
+            if problem:
+                errors.append({"field": path or whole, "message": problem})
+        elif isinstance(node, dict | list) and id(node) not in seen:
+            seen.add(id(node))
+            if depth >= MAX_NESTING:
+                errors.append({"field": path or whole, "message": f"nested deeper than {MAX_NESTING} levels"})
+                continue
+            items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+            for key, child in reversed(items):  # the stack pops them in document order
+                problem = text_problem(key) if isinstance(key, str) else None
+                if problem:
+                    errors.append({"field": path or whole, "message": f"a key {problem}"})
+                    continue
+                stack.append((child, f"{path}.{key}" if path else str(key), depth + 1))
+    return errors
+
+
+class _DepthLimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing nesting deeper than MAX_NESTING before its recursive composer
+    overflows the stack (a 1 KB ``[[[...]]]`` would)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        nested = self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
+        if not nested:
+            return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_NESTING:
+                raise _TooDeep
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` bounded to MAX_NESTING levels (raises _TooDeep) and to storable text."""
+    loader = _DepthLimitedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+# --- strict field types ----------------------------------------------------------------------------------
+# pydantic's lax mode would store `lr: true` as 1.0 and `steps: "5"` as 5. Integers and booleans are
+# strict; a float takes an int or a numeric string (YAML 1.1 reads `1e-4` as a string) but never a bool.
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Bool = Annotated[bool, Strict()]
+
+
 class _Section(BaseModel):
     # Unknown fields are errors: a typo must never be silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -60,7 +169,7 @@ class ModelSpec(_Section):
         "auto", description="`auto`: the model directory's tokenizer, or the char tokenizer for built-ins."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
-    reference: bool = Field(True, description="Keep a frozen copy of the initial policy for the KL penalty.")
+    reference: Bool = Field(True, description="Keep a frozen copy of the initial policy for the KL penalty.")
 
 
 class TaskSpec(_Section):
@@ -70,11 +179,11 @@ class TaskSpec(_Section):
     path: str | None = Field(None, description="JSONL file of {prompt, answer} rows (task `jsonl`).")
     eval_path: str | None = Field(None, description="Held-out JSONL file; default: a split of `path`.")
     verifier: Literal["exact", "numeric", "boxed"] = Field("exact", description="Rule that scores a response.")
-    train_size: int = Field(4096, ge=1, le=10_000_000, description="Number of training prompts generated.")
-    eval_size: int = Field(64, ge=1, le=100_000, description="Number of held-out evaluation prompts.")
-    min_len: int = Field(1, ge=1, le=256, description="Smallest problem size for built-in tasks.")
-    max_len: int = Field(8, ge=1, le=256, description="Largest problem size; sizes are long-tailed in between.")
-    seed: int = Field(1234, description="Seed of the prompt generator (independent of the run seed).")
+    train_size: Int = Field(4096, ge=1, le=10_000_000, description="Number of training prompts generated.")
+    eval_size: Int = Field(64, ge=1, le=100_000, description="Number of held-out evaluation prompts.")
+    min_len: Int = Field(1, ge=1, le=256, description="Smallest problem size for built-in tasks.")
+    max_len: Int = Field(8, ge=1, le=256, description="Largest problem size; sizes are long-tailed in between.")
+    seed: Int = Field(1234, description="Seed of the prompt generator (independent of the run seed).")
 
     @model_validator(mode="after")
     def _check(self) -> TaskSpec:
@@ -90,59 +199,59 @@ class AlgorithmSpec(_Section):
         "grpo",
         description="Registered algorithm (`grpo`, `ppo`) or a plug-in import path `package.module:factory`.",
     )
-    group_size: int = Field(8, ge=1, le=1024, description="Samples per prompt (GRPO group size).")
-    clip_eps: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip (lower side, and upper unless set).")
-    clip_eps_high: float | None = Field(None, gt=0, le=10, description="Upper ratio clip (asymmetric clipping).")
-    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the k3 KL penalty to the reference policy.")
-    entropy_coef: float = Field(0.0, ge=0, le=100, description="Entropy bonus weight.")
+    group_size: Int = Field(8, ge=1, le=1024, description="Samples per prompt (GRPO group size).")
+    clip_eps: Float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip (lower side, and upper unless set).")
+    clip_eps_high: Float | None = Field(None, gt=0, le=10, description="Upper ratio clip (asymmetric clipping).")
+    kl_coef: Float = Field(0.0, ge=0, le=100, description="Weight of the k3 KL penalty to the reference policy.")
+    entropy_coef: Float = Field(0.0, ge=0, le=100, description="Entropy bonus weight.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses reduce to a scalar."
     )
-    normalize_adv_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
+    normalize_adv_std: Bool = Field(True, description="GRPO: divide group-centred rewards by the group std.")
     off_policy: Literal["none", "decoupled", "truncated"] = Field(
         "decoupled",
         description="Correction for stale samples: decoupled (proximal policy) or truncated importance weights.",
     )
-    is_cap: float = Field(2.0, gt=0, le=1000, description="Cap on the behaviour-to-proximal importance weight.")
-    gamma: float = Field(1.0, ge=0, le=1, description="PPO discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="PPO GAE lambda.")
-    value_clip: float = Field(0.2, gt=0, le=100, description="PPO value-function clip range.")
-    vf_coef: float = Field(0.5, ge=0, le=100, description="PPO value-loss weight.")
+    is_cap: Float = Field(2.0, gt=0, le=1000, description="Cap on the behaviour-to-proximal importance weight.")
+    gamma: Float = Field(1.0, ge=0, le=1, description="PPO discount.")
+    lam: Float = Field(0.95, ge=0, le=1, description="PPO GAE lambda.")
+    value_clip: Float = Field(0.2, gt=0, le=100, description="PPO value-function clip range.")
+    vf_coef: Float = Field(0.5, ge=0, le=100, description="PPO value-loss weight.")
 
 
 class TrainerSpec(_Section):
-    lr: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate (policy).")
-    critic_lr: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate (PPO critic).")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    micro_batch_tokens: int = Field(
+    lr: Float = Field(1e-4, gt=0, le=1, description="AdamW learning rate (policy).")
+    critic_lr: Float = Field(1e-4, gt=0, le=1, description="AdamW learning rate (PPO critic).")
+    warmup_steps: Int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: Float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    grad_clip: Float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_tokens: Int = Field(
         4096, ge=16, le=10_000_000, description="Token budget of one micro-batch (length-sorted packing)."
     )
-    updates_per_step: int = Field(1, ge=1, le=64, description="Optimizer updates per training step (mini-batches).")
-    collective_timeout_s: float = Field(
+    updates_per_step: Int = Field(1, ge=1, le=64, description="Optimizer updates per training step (mini-batches).")
+    collective_timeout_s: Float = Field(
         600.0, gt=0, le=86400, description="Trainer ranks > 1: a collective waiting this long fails the run."
     )
 
 
 class RolloutSpec(_Section):
     engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine.")
-    max_new_tokens: int = Field(32, ge=1, le=65536, description="Longest response generated.")
-    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature (0 = greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
-    max_batch_size: int = Field(64, ge=1, le=100_000, description="Sequences decoded together by one engine.")
-    max_batch_tokens: int = Field(16384, ge=16, description="Token budget of one engine batch.")
+    max_new_tokens: Int = Field(32, ge=1, le=65536, description="Longest response generated.")
+    temperature: Float = Field(1.0, ge=0, le=10, description="Sampling temperature (0 = greedy).")
+    top_p: Float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: Int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_batch_size: Int = Field(64, ge=1, le=100_000, description="Sequences decoded together by one engine.")
+    max_batch_tokens: Int = Field(16384, ge=16, description="Token budget of one engine batch.")
     length_prediction: Literal["from_stats", "off"] = Field(
         "from_stats",
         description="Predict response lengths from history (per prompt, per task, prompt length) or assume the max.",
     )
-    bucket_boundaries: list[int] | None = Field(
+    bucket_boundaries: list[Int] | None = Field(
         None, description="Predicted-length bucket edges (increasing); default: quantiles of observed lengths."
     )
-    num_buckets: int = Field(4, ge=1, le=64, description="Buckets derived from observed length quantiles.")
-    mix_long_short: bool = Field(True, description="Mix long and short requests into balanced scheduling groups.")
-    hang_timeout_s: float = Field(
+    num_buckets: Int = Field(4, ge=1, le=64, description="Buckets derived from observed length quantiles.")
+    mix_long_short: Bool = Field(True, description="Mix long and short requests into balanced scheduling groups.")
+    hang_timeout_s: Float = Field(
         300.0, gt=0, le=86400, description="Async: a rollout instance silent this long is killed and replaced."
     )
 
@@ -164,12 +273,12 @@ class RolloutSpec(_Section):
 
 class RewardSpec(_Section):
     url: str | None = Field(None, description="Remote reward endpoint (HTTP POST JSON); None: the task's verifier.")
-    timeout_s: float = Field(10.0, gt=0, le=3600, description="Per-request timeout of the reward service.")
-    max_retries: int = Field(2, ge=0, le=20, description="Retries of a failed reward request before it is dropped.")
-    backoff_s: float = Field(0.2, ge=0, le=60, description="First retry back-off; doubles per retry.")
-    concurrency: int = Field(8, ge=1, le=1024, description="Reward requests in flight at once.")
-    breaker_failures: int = Field(5, ge=1, le=1000, description="Consecutive failures that open the circuit breaker.")
-    breaker_cooldown_s: float = Field(5.0, ge=0, le=3600, description="Open-breaker wait before a half-open probe.")
+    timeout_s: Float = Field(10.0, gt=0, le=3600, description="Per-request timeout of the reward service.")
+    max_retries: Int = Field(2, ge=0, le=20, description="Retries of a failed reward request before it is dropped.")
+    backoff_s: Float = Field(0.2, ge=0, le=60, description="First retry back-off; doubles per retry.")
+    concurrency: Int = Field(8, ge=1, le=1024, description="Reward requests in flight at once.")
+    breaker_failures: Int = Field(5, ge=1, le=1000, description="Consecutive failures that open the circuit breaker.")
+    breaker_cooldown_s: Float = Field(5.0, ge=0, le=3600, description="Open-breaker wait before a half-open probe.")
 
     @field_validator("url")
     @classmethod
@@ -179,39 +288,39 @@ class RewardSpec(_Section):
 
 class PipelineSpec(_Section):
     mode: Literal["sync", "async", "colocated"] = Field("sync", description="How generation and training overlap.")
-    steps: int = Field(50, ge=1, le=10_000_000, description="Training steps to run.")
-    prompts_per_step: int = Field(8, ge=1, le=100_000, description="Prompts consumed by one training step.")
-    max_policy_lag: int = Field(1, ge=0, le=1000, description="Largest allowed (trainer version - sample version).")
+    steps: Int = Field(50, ge=1, le=10_000_000, description="Training steps to run.")
+    prompts_per_step: Int = Field(8, ge=1, le=100_000, description="Prompts consumed by one training step.")
+    max_policy_lag: Int = Field(1, ge=0, le=1000, description="Largest allowed (trainer version - sample version).")
     on_lag_exceeded: Literal["throttle", "drop", "sync"] = Field(
         "throttle", description="throttle: generation waits; drop: stale samples discarded; sync: lock-step."
     )
-    queue_capacity: int | None = Field(
+    queue_capacity: Int | None = Field(
         None, ge=1, description="Samples the queue holds; default 5x the samples of one step."
     )
-    eval_interval: int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
-    offload_optimizer: bool = Field(False, description="Colocated: move optimizer state to host during generation.")
-    transfer_max_bytes: int = Field(
+    eval_interval: Int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
+    offload_optimizer: Bool = Field(False, description="Colocated: move optimizer state to host during generation.")
+    transfer_max_bytes: Int = Field(
         1 << 20, ge=1, le=1 << 34, description="Async: finished groups are sent once this many packed bytes wait."
     )
-    transfer_window_s: float = Field(
+    transfer_window_s: Float = Field(
         0.05, ge=0, le=60, description="Async: ... or once the oldest finished group has waited this long."
     )
-    transfer_shm_min_bytes: int | None = Field(
+    transfer_shm_min_bytes: Int | None = Field(
         65536,
         ge=0,
         description="Async: messages this large go through shared memory, the pipe carrying a reference; None: never.",
     )
-    scale_up_below: float = Field(
+    scale_up_below: Float = Field(
         0.25, ge=0, le=1, description="Async: add a rollout instance when the queue watermark stays below this fill."
     )
-    scale_down_above: float = Field(
+    scale_down_above: Float = Field(
         0.9, ge=0, le=1, description="Async: park a rollout instance when the queue watermark reaches this fill."
     )
     rollout_listen: str = Field(
         "0.0.0.0:0",
         description="Async with remote rollout instances: host:port the trainer accepts them on (port 0: any free one).",
     )
-    rollout_reconnect_s: float = Field(
+    rollout_reconnect_s: Float = Field(
         600.0, gt=0, le=86_400, description="A remote rollout instance waits this long for a trainer before exiting."
     )
     remote_weight_sync: Literal["link", "broadcast"] = Field(
@@ -231,44 +340,44 @@ class PipelineSpec(_Section):
 
 class ResourcesSpec(_Section):
     device: Literal["cpu", "cuda", "npu"] = Field("cpu", description="Accelerator kind.")
-    trainer_devices: int = Field(1, ge=1, le=4096, description="Trainer ranks (data parallel), one device each.")
-    rollout_devices: int = Field(
+    trainer_devices: Int = Field(1, ge=1, le=4096, description="Trainer ranks (data parallel), one device each.")
+    rollout_devices: Int = Field(
         0, ge=0, le=4096, description="Devices for rollout instances; 0 = share the trainer's (colocated/CPU)."
     )
-    rollout_workers: int = Field(
+    rollout_workers: Int = Field(
         1, ge=0, le=4096, description="Rollout instances (processes) on the trainer's host; the most active at once."
     )
-    remote_rollout_workers: int = Field(
+    remote_rollout_workers: Int = Field(
         0,
         ge=0,
         le=4096,
         description="Async: rollout instances run as processes of their own (other hosts), one device each.",
     )
-    min_rollout_workers: int | None = Field(
+    min_rollout_workers: Int | None = Field(
         None,
         ge=1,
         le=4096,
         description="Async: fewest active rollout instances; below rollout_workers the count follows the queue.",
     )
-    eval_devices: int = Field(
+    eval_devices: Int = Field(
         0,
         ge=0,
         le=64,
         description="Async: the evaluator gets its own device (after the rollout ones); 0 = the trainer's.",
     )
-    remote_evaluator: bool = Field(
+    remote_evaluator: Bool = Field(
         False,
         description="Async: the evaluator runs as a process of its own (another host), one device; "
         "it connects to the trainer like a remote rollout instance.",
     )
-    threads_per_process: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
-    max_restarts: int = Field(
+    threads_per_process: Int | None = Field(None, ge=1, le=1024, description="torch intra-op threads per process.")
+    max_restarts: Int = Field(
         3, ge=0, le=1000, description="Platform: restarts of the trainer (from its last checkpoint) before FAILED."
     )
-    rollout_restarts: int = Field(
+    rollout_restarts: Int = Field(
         3, ge=0, le=1000, description="Restarts of each rollout instance that dies, while the run continues."
     )
-    preemptible: bool = Field(
+    preemptible: Bool = Field(
         False, description="Platform: a higher-priority run may preempt this one (checkpoint, then requeue)."
     )
 
@@ -285,21 +394,21 @@ class ResourcesSpec(_Section):
 
 
 class CheckpointSpec(_Section):
-    interval: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
-    keep_last: int = Field(3, ge=1, le=10_000, description="Newest checkpoints kept.")
+    interval: Int = Field(0, ge=0, description="Checkpoint every N steps (0 = only at the end).")
+    keep_last: Int = Field(3, ge=1, le=10_000, description="Newest checkpoints kept.")
     keep_best_metric: str | None = Field(None, description="Also keep the best checkpoint by this metric.")
     keep_best_mode: Literal["max", "min"] = Field("max", description="Whether larger or smaller is better.")
 
 
 class MetricsSpec(_Section):
-    progress_bar: bool = Field(True, description="Show a progress line on the terminal.")
-    jsonl: bool = Field(True, description="Write metrics.jsonl in the output directory.")
-    tensorboard: bool = Field(False, description="Write TensorBoard events when tensorboard is installed.")
+    progress_bar: Bool = Field(True, description="Show a progress line on the terminal.")
+    jsonl: Bool = Field(True, description="Write metrics.jsonl in the output directory.")
+    tensorboard: Bool = Field(False, description="Write TensorBoard events when tensorboard is installed.")
 
 
 class RunSpec(_Section):
     name: str = Field("run", min_length=1, max_length=200, description="Run name.")
-    seed: int = Field(0, description="Seed of every random number generator in the run.")
+    seed: Int = Field(0, description="Seed of every random number generator in the run.")
     output_dir: str = Field("runs/{name}", description="Where metrics, checkpoints and the resolved spec go.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="Policy model.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and reward.")
@@ -422,10 +531,12 @@ class _CombinationError(ValueError):
         super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
 
 
-def _coerce_scalar(text: str) -> Any:
+def _coerce_scalar(key: str, text: str) -> Any:
     """`key=value` override values are parsed as YAML scalars (1, 0.5, true, null, [a, b])."""
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text)
+    except _TooDeep:
+        raise SpecError([{"field": key, "message": f"nested deeper than {MAX_NESTING} levels"}]) from None
     except yaml.YAMLError:
         return text
 
@@ -447,7 +558,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 break
             node = child
         else:
-            node[parts[-1]] = _coerce_scalar(value)
+            node[parts[-1]] = _coerce_scalar(key.strip(), value)
     if errors:
         raise SpecError(errors)
     return data
@@ -455,8 +566,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def parse_spec_text(text: str) -> dict[str, Any]:
     """Parse YAML (a superset of JSON) into a dict, with readable errors."""
+    problem = text_problem(text)
+    if problem:
+        raise SpecError([{"field": "spec", "message": problem}])
     try:
-        data = yaml.safe_load(text) if text.strip() else {}
+        data = _load_yaml(text) if text.strip() else {}
+    except _TooDeep:
+        raise SpecError([{"field": "spec", "message": f"nested deeper than {MAX_NESTING} levels"}]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -472,6 +588,10 @@ def parse_spec_text(text: str) -> dict[str, Any]:
 
 def validate_spec(data: dict[str, Any]) -> RunSpec:
     """Validate a dict into a RunSpec, converting errors to field paths."""
+    # YAML escapes ("\0", "\ud800") and JSON objects can carry what no database or file stores as text.
+    problems = data_problems(data, whole="spec")
+    if problems:
+        raise SpecError(problems)
     try:
         return RunSpec.model_validate(data)
     except ValidationError as exc:
@@ -492,6 +612,9 @@ def validate_spec(data: dict[str, Any]) -> RunSpec:
 def load_spec(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunSpec:
     """Load a spec from a path, YAML/JSON text, or a dict, then apply overrides."""
     if isinstance(source, dict):
+        problems = data_problems(source, whole="spec")  # before json.dumps recurses into it
+        if problems:
+            raise SpecError(problems)
         data = json.loads(json.dumps(source))  # deep copy, JSON-safe
     else:
         if isinstance(source, Path) or (

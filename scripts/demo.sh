@@ -11,6 +11,7 @@ export TANDEM_VAR_DIR=${TANDEM_VAR_DIR:-$PWD/var}
 export DEBUG=${DEBUG:-true}
 export TANDEM_PLATFORM_URL=${TANDEM_PLATFORM_URL:-http://$HOST:$PORT}  # where role processes report
 export TANDEM_CHECKPOINT_ROOT=${TANDEM_CHECKPOINT_ROOT:-$TANDEM_VAR_DIR/runs}
+export TANDEM_SHARED_MODEL_ROOT=${TANDEM_SHARED_MODEL_ROOT:-$TANDEM_VAR_DIR/models}  # specs may read the warm start here
 mkdir -p "$TANDEM_VAR_DIR/logs"
 
 "$BIN/python" manage.py migrate --noinput >/dev/null
@@ -43,10 +44,10 @@ pids+=($!)
 # The demo RL run: a short supervised warm start (so the policy sometimes succeeds), then the GRPO run
 # is submitted to the platform, which launches it on this host; reward/mean rises within minutes.
 (
-    if [ ! -f "$TANDEM_VAR_DIR/runs/demo-sft/config.json" ]; then
-        "$BIN/python" -m runtime sft examples/grpo-async.yaml --steps 35 --out "$TANDEM_VAR_DIR/runs/demo-sft"
+    if [ ! -f "$TANDEM_SHARED_MODEL_ROOT/demo-sft/config.json" ]; then
+        "$BIN/python" -m runtime sft examples/grpo-async.yaml --steps 35 --out "$TANDEM_SHARED_MODEL_ROOT/demo-sft"
     fi &&
-    "$BIN/python" manage.py demo_submit examples/demo.yaml "model.path=$TANDEM_VAR_DIR/runs/demo-sft" \
+    "$BIN/python" manage.py demo_submit examples/demo.yaml "model.path=$TANDEM_SHARED_MODEL_ROOT/demo-sft" \
         --base-url "http://$HOST:$PORT"
 ) >"$TANDEM_VAR_DIR/logs/demo-run.log" 2>&1 &
 pids+=($!)

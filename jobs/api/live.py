@@ -18,6 +18,7 @@ from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
 from jobs import checkpoints, commands, launch, series
+from jobs.api import serializers as s
 from jobs.api.views import JobsAPIViewMixin
 from jobs.handler import InvalidInput
 from jobs.models import CheckpointRecord, Command, ConfigVersion, RoleHeartbeat, RoleState, Run, RunEvent, RunRole
@@ -85,6 +86,8 @@ def _metrics_params(params) -> dict[str, Any]:
 class RunMetricsViewSet(RunScopedMixin, viewsets.ViewSet):
     """Downsampled chart data of a run (min and max per bucket plus the last point)."""
 
+    pagination_class = None  # replies are not paginated (and the schema must not say they are)
+
     @extend_schema(
         parameters=[
             OpenApiParameter("keys", str, required=True, description="Metric names, comma-separated"),
@@ -98,7 +101,7 @@ class RunMetricsViewSet(RunScopedMixin, viewsets.ViewSet):
         run = self.get_run()
         return Response(series.series(run.pk, **_metrics_params(request.query_params)))
 
-    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    @extend_schema(responses={200: {"type": "array", "items": {"type": "string"}}})
     @action(detail=False, methods=["get"])
     def keys(self, request, run_id=None):
         """Names of the metrics the run reported."""
@@ -178,7 +181,9 @@ def _checkpoint_body(record: CheckpointRecord, with_files: bool = True) -> dict[
 class RunCheckpointsViewSet(RunScopedMixin, viewsets.ViewSet):
     """Checkpoints of a run, newest step first, with their files."""
 
-    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    pagination_class = None
+
+    @extend_schema(responses={200: s.CheckpointBodySerializer(many=True)})
     def list(self, request, run_id=None):
         run = self.get_run()
         records = CheckpointRecord.objects.filter(run=run).order_by("-step", "-pk")
@@ -202,7 +207,7 @@ class CheckpointViewSet(RunScopedMixin, viewsets.ViewSet):
             raise NotFound("Not found.")
         return record
 
-    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    @extend_schema(responses={200: s.CheckpointBodySerializer})
     def retrieve(self, request, pk=None):
         return Response(_checkpoint_body(self.get_record(pk)))
 
@@ -219,12 +224,12 @@ class CheckpointViewSet(RunScopedMixin, viewsets.ViewSet):
         record = checkpoints.set_pinned(request.user, record, pinned)
         return Response(_checkpoint_body(record, with_files=False))
 
-    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    @extend_schema(request=None, responses={200: s.CheckpointBodySerializer})
     @action(detail=True, methods=["post"])
     def pin(self, request, pk=None):
         return self._pin(request, pk, True)
 
-    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    @extend_schema(request=None, responses={200: s.CheckpointBodySerializer})
     @action(detail=True, methods=["post"])
     def unpin(self, request, pk=None):
         return self._pin(request, pk, False)
@@ -248,7 +253,9 @@ class RunRolesViewSet(RunScopedMixin, viewsets.ViewSet):
     """The run's role processes: as the platform launched them (host, devices, process state, restarts, exit,
     log tail) and as they last reported (heartbeat status, last seen)."""
 
-    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    pagination_class = None
+
+    @extend_schema(responses={200: s.RoleBodySerializer(many=True)})
     def list(self, request, run_id=None):
         run = self.get_run()
         beats: dict[tuple[str, int], RoleHeartbeat] = {}
@@ -321,7 +328,9 @@ class RunEventsViewSet(RunScopedMixin, viewsets.ViewSet):
 class RunConfigVersionsViewSet(RunScopedMixin, viewsets.ViewSet):
     """Live parameter changes of the run, each with the parameters in force and a diff to the previous version."""
 
-    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    pagination_class = None
+
+    @extend_schema(responses={200: s.ConfigVersionBodySerializer(many=True)})
     def list(self, request, run_id=None):
         run = self.get_run()
         base = {key: commands._get(run.resolved_spec, key) for key in commands.SAFE_PARAMS}

@@ -53,7 +53,13 @@ class ExperimentSerializer(serializers.ModelSerializer):
     team_name = serializers.CharField(source="team.name", read_only=True)
     group_name = serializers.CharField(source="group.name", read_only=True)
     quota_name = serializers.CharField(source="quota.name", read_only=True)
-    created_by = serializers.CharField(source="created_by.get_username", read_only=True, default=None)
+    created_by = serializers.CharField(
+        source="created_by.get_username",
+        read_only=True,
+        default=None,
+        allow_null=True,
+        help_text="null: a deleted user",
+    )
 
     class Meta:
         model = Experiment
@@ -88,7 +94,13 @@ class RunSerializer(FieldsOnceMixin, serializers.ModelSerializer):
 
     experiment_name = serializers.CharField(source="experiment.name", read_only=True)
     team = serializers.IntegerField(source="experiment.team_id", read_only=True)
-    created_by = serializers.CharField(source="created_by.get_username", read_only=True, default=None)
+    created_by = serializers.CharField(
+        source="created_by.get_username",
+        read_only=True,
+        default=None,
+        allow_null=True,
+        help_text="null: a deleted user",
+    )
     queue_position = serializers.SerializerMethodField(help_text="1-based position in the group's queue (QUEUED only)")
     terminal = serializers.SerializerMethodField(
         help_text="COMPLETED, FAILED, CANCELLED or PREEMPTED: a waiting client stops here"
@@ -118,7 +130,7 @@ class RunSerializer(FieldsOnceMixin, serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    @extend_schema_field(OpenApiTypes.INT)
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
     def get_queue_position(self, run: Run) -> int | None:
         return run.queue_position if run.state == RunState.QUEUED else None
 
@@ -315,3 +327,50 @@ class QuotaUpdateSerializer(StrictSerializer):
     max_rollout_workers = serializers.IntegerField(required=False)
     priority = serializers.IntegerField(required=False)
     device_hour_budget = serializers.FloatField(required=False, allow_null=True)
+
+
+# --- reply shapes of the live UI's endpoints (jobs.api.live builds the bodies; these document them) ------
+
+
+class CheckpointFileSerializer(serializers.Serializer):
+    path = serializers.CharField(help_text="Relative to the checkpoint directory")
+    size = serializers.IntegerField(help_text="Bytes")
+
+
+class CheckpointBodySerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    run = serializers.IntegerField()
+    attempt = serializers.IntegerField()
+    step = serializers.IntegerField()
+    weight_version = serializers.IntegerField(allow_null=True)
+    path = serializers.CharField()
+    size = serializers.IntegerField(allow_null=True, help_text="Bytes")
+    metrics = serializers.DictField(help_text="Metrics at the checkpoint's step")
+    pinned = serializers.BooleanField()
+    created = serializers.DateTimeField()
+    files = CheckpointFileSerializer(many=True, required=False, help_text="Absent in pin/unpin replies")
+
+
+class ConfigVersionBodySerializer(serializers.Serializer):
+    number = serializers.IntegerField(help_text="0: the spec as submitted")
+    params = serializers.DictField(help_text="Parameters this version changed")
+    effective = serializers.DictField(help_text="Every live parameter in force from this version on")
+    diff = serializers.DictField(help_text='{"param": {"before": ..., "after": ...}}')
+    state = serializers.CharField(help_text="initial, pending, delivered, done or failed")
+    created_by = serializers.CharField(required=False, allow_null=True)
+    created_at = serializers.DateTimeField(required=False)
+
+
+class RoleBodySerializer(serializers.Serializer):
+    role = serializers.CharField()
+    attempt = serializers.IntegerField()
+    status = serializers.CharField()
+    process = serializers.CharField(allow_blank=True, help_text="Process state; empty for a role not launched here")
+    host = serializers.CharField(allow_blank=True)
+    devices = serializers.ListField(help_text="Device indices on the host")
+    restarts = serializers.IntegerField()
+    exit_code = serializers.IntegerField(allow_null=True)
+    message = serializers.CharField(allow_blank=True)
+    first_seen = serializers.DateTimeField(allow_null=True)
+    last_seen = serializers.DateTimeField(allow_null=True)
+    log_tail = serializers.CharField(allow_blank=True)

@@ -23,25 +23,18 @@ from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
-from jobs import errors, handler
+from jobs import errors, handler, longpoll
 from jobs.api import serializers as s
 from jobs.models import Experiment, Run
-from jobs.states import TERMINAL_STATES, RunState
+from jobs.states import RunState
 from rlplatform import permissions as perms
 from rlplatform.api import APIViewMixin, ErrorsSerializer
 from rlplatform.api_auth import authenticate_token
 from rlplatform.models import Quota, ResourceGroup, Team
+from rlplatform.security_headers import CONTENT_SECURITY_POLICY, CSP_HEADER
 
 WAIT_DEFAULT_S = 30.0
 WAIT_MAX_S = 300.0
-# A waiting request re-reads the run's state (one indexed single-column
-# query), first every 0.25 s, backing off to every 2 s: a CI job needs no
-# finer resolution, and a few hundred waiters stay cheap.
-WAIT_POLL_FIRST_S = 0.25
-WAIT_POLL_MAX_S = 2.0
-# Sleeps at least this long hand the database connection back, so long waits
-# do not pin one PostgreSQL connection each (max_connections is finite).
-WAIT_RELEASE_CONNECTION_S = 1.0
 QUOTA_STAFF_ONLY = "quotas are set by platform administrators (staff, signed in); team members can read them"
 
 
@@ -261,19 +254,49 @@ class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMod
     @action(detail=True, methods=["get"])
     def wait(self, request, pk=None):
         """Long-poll: answers when the run reaches a terminal state or the timeout passes (check `terminal`)."""
-        timeout = _parse_timeout(request.query_params.get("timeout"))
-        run = self.get_object()
-        deadline = time.monotonic() + timeout
-        state, interval = run.state, WAIT_POLL_FIRST_S
-        while RunState(state) not in TERMINAL_STATES and (remaining := deadline - time.monotonic()) > 0:
-            pause = min(interval, remaining)
-            if pause >= WAIT_RELEASE_CONNECTION_S and not connection.in_atomic_block:
-                connection.close()  # the next query reconnects
-            time.sleep(pause)
-            interval = min(interval * 1.5, WAIT_POLL_MAX_S)
-            state = Run.objects.filter(pk=run.pk).values_list("state", flat=True).first() or state
-        run.refresh_from_db()
-        return Response(s.RunDetailSerializer(run).data)
+        # The run as it is now. The waiting happens around this, in _long_poll (see as_view), where no
+        # thread and no database connection is held.
+        _parse_timeout(request.query_params.get("timeout"))
+        return Response(s.RunDetailSerializer(self.get_object()).data)
+
+    @classmethod
+    def as_view(cls, actions=None, **initkwargs):
+        view = super().as_view(actions, **initkwargs)
+        return _long_poll(view) if actions is not None and actions.get("get") == "wait" else view
+
+
+def _answer_now(view, request, kwargs):
+    """The DRF answer of ``view``, rendered; the request's database connection then goes back to the pool."""
+    try:
+        response = view(request, **kwargs)
+        response.render()
+        return response
+    finally:
+        if not connection.in_atomic_block:  # (inside a test's transaction there is nothing to hand back)
+            connection.close()
+
+
+def _long_poll(view):
+    """``wait`` as an async view: DRF answers (authentication, team scope, timeout check, the reply) before
+    and after the wait, each time in a thread that hands its database connection back; in between
+    jobs.longpoll waits for the run's end on the channel layer, holding no connection and no thread."""
+
+    async def wait_view(request, **kwargs):
+        started = time.monotonic()
+        response = await sync_to_async(_answer_now)(view, request, kwargs)
+        if response.status_code != 200 or request.method not in ("GET", "HEAD") or response.data["terminal"]:
+            return response
+        remaining = _parse_timeout(request.GET.get("timeout")) - (time.monotonic() - started)
+        if remaining <= 0:
+            return response
+        await longpoll.wait_until_ended(int(kwargs["pk"]), remaining)
+        return await sync_to_async(_answer_now)(view, request, kwargs)  # checks the caller's access again
+
+    # What DRF, drf-spectacular and CsrfViewMiddleware read off a view function.
+    for name in ("cls", "initkwargs", "actions", "csrf_exempt", "__doc__"):
+        if hasattr(view, name):
+            setattr(wait_view, name, getattr(view, name))
+    return wait_view
 
 
 # --- quotas ---------------------------------------------------------------------------------------------
@@ -358,6 +381,9 @@ _JSON_ACCEPTS = (None, b"*/*", b"application/json")
 # off: a middleware added later (rate limits, logging, ...) must see every request.
 FAST_PATH_MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "rlplatform.security_headers.ContentSecurityPolicyMiddleware",
+    # Nothing to refuse on the fast path's requests: a GET with no query string and no body.
+    "rlplatform.input_boundary.InputBoundaryMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -383,8 +409,8 @@ def fast_path_enabled() -> bool:
 
 
 def _security_headers() -> list[tuple[bytes, bytes]]:
-    """SecurityMiddleware's headers of a plain-HTTP reply."""
-    headers = []
+    """SecurityMiddleware's and ContentSecurityPolicyMiddleware's headers of a plain-HTTP reply."""
+    headers = [(CSP_HEADER.encode(), CONTENT_SECURITY_POLICY.encode())]
     if settings.SECURE_CONTENT_TYPE_NOSNIFF:
         headers.append((b"X-Content-Type-Options", b"nosniff"))
     if settings.SECURE_REFERRER_POLICY:

@@ -23,7 +23,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from jobs import commands, series_store, stream
+from jobs import commands, confinement, series_store, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
 from jobs.launch import TRAINER  # the one role whose heartbeats take commands
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
@@ -179,6 +179,8 @@ def parse_batch(token: RunToken, body: Any) -> Batch:
             payload = {}
         if not isinstance(payload, dict) or _has_nul(payload):
             errors.add(f"{where}.payload", "must be an object (no NUL characters)")
+        else:
+            _check_checkpoint_paths(token, kind, payload, f"{where}.payload", errors)
         when = _time(event.get("time"), f"{where}.time", errors, now)
         batch.events.append({"seq": seq, "kind": kind, "payload": payload, "time": when})
     errors.raise_any()
@@ -251,6 +253,18 @@ def _store_points_portable(token, steps, points) -> dict[str, int]:
     MetricPoint.objects.bulk_create(new, batch_size=500)
     MetricPoint.objects.bulk_update(changed, ["metrics"], batch_size=500)
     return {"inserted": len(new), "merged": len(changed), "unchanged": len(steps) - len(new) - len(changed)}
+
+
+def _check_checkpoint_paths(token: RunToken, kind: Any, payload: dict[str, Any], where: str, errors: _Errors) -> None:
+    """The checkpoint paths an event would record (``checkpoint``: path; ``rollback``: set_aside) must lie
+    inside the run's own directory (jobs.confinement): a refused one fails the whole batch."""
+    if kind == "checkpoint" and isinstance(payload.get("path"), str) and payload["path"]:
+        if confinement.inside_run(token.run_id, payload["path"][:500]) is None:  # as _checkpoint_from_event stores it
+            errors.add(f"{where}.path", confinement.OUTSIDE_RUN)
+    moved = payload.get("set_aside") if kind == "rollback" else None
+    for i, new_path in enumerate(moved if isinstance(moved, list) else []):
+        if isinstance(new_path, str) and new_path and confinement.inside_run(token.run_id, new_path) is None:
+            errors.add(f"{where}.set_aside[{i}]", confinement.OUTSIDE_RUN)
 
 
 def _checkpoint_from_event(token: RunToken, event: dict[str, Any]) -> CheckpointRecord | None:
@@ -361,6 +375,8 @@ def register_checkpoint(token: RunToken, body: Any) -> dict[str, Any]:
         errors.add("step", "must be a non-negative integer")
     if not isinstance(path, str) or not 1 <= len(path) <= 500 or _has_nul(path):
         errors.add("path", "must be a string of 1 to 500 characters")
+    elif confinement.inside_run(token.run_id, path) is None:
+        errors.add("path", confinement.OUTSIDE_RUN)
     if version is not None and (not _is_int(version) or version < 0):
         errors.add("weight_version", "must be a non-negative integer or null")
     if size is not None and (not _is_int(size) or size < 0):

@@ -3,6 +3,11 @@
 A token reads ``tdr_<prefix>_<secret>``: the prefix (public, unique) finds the
 row, the SHA-256 of the whole token must match. As for API tokens
 (rlplatform.tokens), the 256-bit secret makes an unsalted hash sufficient.
+
+A run's tokens are revoked when it ends (``REVOKED_AT``, by jobs.handler.transition),
+and a token of an ended run is refused even if a row escaped that (minted in a race
+with the end). What the ended attempt still had to say stays in its spool, which the
+platform stores itself when the role exits (jobs.launch.replay_spool, no HTTP).
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from jobs.models import Run, RunToken
+from jobs.states import TERMINAL_STATES, RunState
 from rlplatform.tokens import hash_token
 
 RUN_TOKEN_PREFIX = "tdr_"
 # Long enough for a long run; the launch step mints a fresh token per attempt anyway.
 DEFAULT_TTL = datetime.timedelta(days=30)
+# The run states that end its tokens. Not PREEMPTED: the run is requeued, and the next attempt drains the
+# ended attempt's spool with that attempt's token (runtime.role.drain_older_spools).
+REVOKED_AT = TERMINAL_STATES - {RunState.PREEMPTED}
 
 
 def _ttl() -> datetime.timedelta:
@@ -64,7 +73,7 @@ def revoke_run_tokens(run: Run, attempt: int | None = None) -> int:
 
 
 def authenticate_run_token(raw: str) -> RunToken | None:
-    """The valid token for ``raw``, or None (unknown, wrong secret, revoked or expired)."""
+    """The valid token for ``raw``, or None (unknown, wrong secret, revoked, expired, or its run ended)."""
     if not raw or not raw.startswith(RUN_TOKEN_PREFIX):
         return None
     prefix, sep, secret = raw[len(RUN_TOKEN_PREFIX) :].partition("_")
@@ -75,5 +84,7 @@ def authenticate_run_token(raw: str) -> RunToken | None:
     if token is None or not hmac.compare_digest(token.token_hash, hash_token(raw)):
         return None
     if token.revoked_at is not None or token.expires_at <= timezone.now():
+        return None
+    if token.run.state in REVOKED_AT:  # loaded with the token: no extra query
         return None
     return token

@@ -1,6 +1,9 @@
 """Thin views of the ingest API: authenticate the run token, hand the JSON body to the handler, map errors.
 
-InvalidInput      400  {"errors": [{"field": "points[3].step", "message": "..."}]}
+Errors go through the API's one exception table (rlplatform.api, extended by jobs.errors and here):
+
+InvalidInput      400  {"errors": [{"field": "points.3.step", "message": "..."}]}
+(input boundary)  400  same shape: malformed, oversized or too deeply nested JSON, NUL characters
 WrongRun          403  {"detail": "..."}   a token of run A naming run B
 CommandNotFound   404
 Conflict          409  e.g. a command acknowledged done, then failed
@@ -10,36 +13,29 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
-from rest_framework.views import APIView, exception_handler
+from rest_framework.views import APIView
 
 from jobs.commands import CommandNotFound
-from jobs.handler import Conflict, InvalidInput
+from jobs.errors import JOBS_ERRORS
 from jobs.ingest import handler
 from jobs.ingest.auth import HasRunToken, RunTokenAuthentication
+from rlplatform.api import make_exception_handler
+from rlplatform.input_boundary import BoundedJSONParser
 
-ERRORS: list[tuple[type[Exception], int]] = [
-    (InvalidInput, status.HTTP_400_BAD_REQUEST),
+INGEST_ERRORS: list[tuple[type[Exception], int]] = [
     (handler.WrongRun, status.HTTP_403_FORBIDDEN),
     (CommandNotFound, status.HTTP_404_NOT_FOUND),
-    (Conflict, status.HTTP_409_CONFLICT),
+    *JOBS_ERRORS,
 ]
 
-
-def ingest_exception_handler(exc, context):
-    for exc_type, code in ERRORS:
-        if isinstance(exc, exc_type):
-            if isinstance(exc, InvalidInput):
-                return Response({"errors": exc.errors}, status=code)
-            return Response({"detail": str(exc)}, status=code)
-    return exception_handler(exc, context)
+ingest_exception_handler = make_exception_handler(INGEST_ERRORS)
 
 
 class IngestView(APIView):
     authentication_classes = [RunTokenAuthentication]
     permission_classes = [HasRunToken]
-    parser_classes = [JSONParser]
+    parser_classes = [BoundedJSONParser]
     action = staticmethod(handler.ingest_batch)
 
     def get_exception_handler(self):

@@ -71,10 +71,20 @@ class CharTokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> CharTokenizer:
-        data = json.loads((Path(directory) / CHAR_FILE).read_text())
-        if data.get("type") != "char" or not isinstance(data.get("chars"), str):
-            raise ValueError(f"{Path(directory) / CHAR_FILE}: not a char tokenizer file")
-        return cls(data["chars"])
+        """The char tokenizer saved in ``directory``; any unreadable or malformed file is a ValueError naming it."""
+        path = Path(directory) / CHAR_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"model.path: {path}: not a char tokenizer file ({exc})") from None
+        if not isinstance(data, dict) or data.get("type") != "char" or not isinstance(data.get("chars"), str):
+            raise ValueError(
+                f'model.path: {path}: not a char tokenizer file (expected {{"type": "char", "chars": "..."}})'
+            )
+        try:
+            return cls(data["chars"])
+        except ValueError as exc:
+            raise ValueError(f"model.path: {path}: not a char tokenizer file ({exc})") from None
 
     def to_hf(self) -> Any:
         """An equivalent transformers fast tokenizer: same ids for every character of the vocabulary.
@@ -141,6 +151,6 @@ def load_tokenizer(directory: str | Path) -> CharTokenizer | HFTokenizer:
 
     try:
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"model.path {directory}: no usable tokenizer ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - tokenizers' parser raises bare Exception, transformers KeyError
+        raise ValueError(f"model.path {directory}: no usable tokenizer ({type(exc).__name__}: {exc})") from None
     return HFTokenizer(hf)

@@ -81,7 +81,7 @@ def test_same_submission_id_with_another_spec_is_409_and_writes_nothing(as_user,
             [
                 (
                     "resources.trainer_devices",
-                    "Input should be a valid integer, unable to parse string as an integer",
+                    "Input should be a valid integer",
                 )
             ],
         ),

@@ -158,15 +158,9 @@ def test_module_entry_point_reads_url_and_token_from_the_environment(live_server
     assert "13  --timeout passed before the run reached a terminal state" in help_text
 
 
-def test_a_long_wait_releases_its_connection_and_still_sees_the_end(cli, experiment, spec_file, drive_run):
-    # Finishing after ~2.5 s lands after the wait's poll interval has backed off past
-    # WAIT_RELEASE_CONNECTION_S, so the server closes its DB connection and reconnects.
-    from jobs.api.views import WAIT_POLL_FIRST_S, WAIT_RELEASE_CONNECTION_S
-
-    assert (
-        WAIT_POLL_FIRST_S * (1 + 1.5 + 1.5**2 + 1.5**3) < 2.5
-        and WAIT_POLL_FIRST_S * 1.5**4 >= WAIT_RELEASE_CONNECTION_S
-    )
+def test_a_long_wait_sees_the_end_of_a_run_that_ends_while_it_waits(cli, experiment, spec_file, drive_run):
+    # The run ends ~2.5 s into the wait: the server's waiter, parked without a database connection
+    # (jobs.longpoll; tests/security/test_load_limits.py counts the connections), is woken by the end.
     drive_run("slow-1", [(S.STARTING, ""), (S.RUNNING, ""), (S.COMPLETED, "")], delay_s=2.5)
     code, out, _ = cli("submit", str(spec_file), "--experiment", "exp-a", "--submission-id", "slow-1", "--wait")
     assert code == client.EXIT_OK

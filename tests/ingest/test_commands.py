@@ -17,7 +17,7 @@ from tests.ingest.helpers import batch, post, stored
 
 
 def _checkpoint(run, step, path=None):
-    return CheckpointRecord.objects.create(run=run, step=step, path=path or f"/runs/{run.pk}/step-{step}")
+    return CheckpointRecord.objects.create(run=run, step=step, path=path or f"run-{run.pk}/checkpoints/step-{step}")
 
 
 def _audit(command):
@@ -70,8 +70,9 @@ def test_an_unacknowledged_command_is_delivered_again_after_a_while(run, ingest,
 
 
 def test_results_are_idempotent_and_cannot_be_contradicted(run, ingest, owner):
-    command = commands.create(owner, run, "stop")
-    post(ingest, "command_result", {"command": command.pk, "state": "done", "message": "final checkpoint at 9"})
+    # A pause: a stop's "done" ends the run, and with it the token that would repeat the result.
+    command = commands.create(owner, run, "pause")
+    post(ingest, "command_result", {"command": command.pk, "state": "done", "message": "paused at step 9"})
 
     again = post(ingest, "command_result", {"command": command.pk, "state": "done"})
     contradict = post(ingest, "command_result", {"command": command.pk, "state": "failed", "message": "oops"})
@@ -79,9 +80,9 @@ def test_results_are_idempotent_and_cannot_be_contradicted(run, ingest, owner):
     assert again.status_code == 200
     assert contradict.status_code == 409
     command.refresh_from_db()
-    assert (command.state, command.message) == ("done", "final checkpoint at 9")
+    assert (command.state, command.message) == ("done", "paused at step 9")
     run.refresh_from_db()
-    assert run.state == RunState.COMPLETED
+    assert run.state == RunState.PAUSED
     assert len(_audit(command)) == 2
 
 
@@ -129,15 +130,15 @@ def test_a_command_the_state_does_not_allow_is_refused_and_not_stored(run, owner
     assert not AuditLog.objects.filter(action="command.create").exists()
 
 
-def test_cancel_ends_the_run_at_once_and_tells_the_runtime(run, ingest, owner):
+def test_cancel_ends_the_run_and_its_token_at_once(run, ingest, owner):
     command = commands.create(owner, run, "cancel")
 
     run.refresh_from_db()
     assert run.state == RunState.CANCELLED
     assert AuditLog.objects.filter(action="run.cancel", target_id=str(run.pk)).count() == 1
-    assert post(ingest, "heartbeat", {"role": "trainer-0"}).json()["commands"] == [
-        {"id": command.pk, "kind": "cancel", "args": {}}
-    ]
+    # Nothing left to deliver: the runtime's token ended with the run; its host's supervisor stops it.
+    assert (command.state, command.message) == ("done", "cancelled; the role processes are stopped by their hosts")
+    assert post(ingest, "heartbeat", {"role": "trainer-0"}).status_code == 401
 
 
 # --- set_params ----------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def test_set_params_records_numbered_versions_of_validated_values(run, ingest, o
             [
                 {
                     "field": "args.params.pipeline.max_policy_lag",
-                    "message": "Input should be a valid integer, unable to parse string as an integer",
+                    "message": "Input should be a valid integer",
                 }
             ],
         ),

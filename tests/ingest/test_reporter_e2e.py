@@ -58,7 +58,7 @@ def test_every_point_arrives_exactly_once_across_an_outage_and_lost_replies(run,
 
     for step in range(0, 20):
         reporter.report(step, {"reward/mean": step / 100, "loss": 1.0 - step / 100})
-    reporter.event("checkpoint", {"step": 19, "path": "/runs/x/step-19"})
+    reporter.event("checkpoint", {"step": 19, "path": f"run-{run.pk}/checkpoints/step-19"})
     assert reporter.flush(timeout=60)
 
     proxy.mode = "down"
@@ -85,9 +85,9 @@ def test_every_point_arrives_exactly_once_across_an_outage_and_lost_replies(run,
     assert (event.kind, event.role, event.payload) == (
         "checkpoint",
         "trainer-0",
-        {"step": 19, "path": "/runs/x/step-19"},
+        {"step": 19, "path": f"run-{run.pk}/checkpoints/step-19"},
     )
-    assert run.checkpoints.get().path == "/runs/x/step-19"
+    assert run.checkpoints.get().path == f"run-{run.pk}/checkpoints/step-19"
     # The pending command rode back on the first acknowledged reply.
     delivered = [c for reply in replies for c in reply["commands"]]
     assert delivered[0] == {"id": command.pk, "kind": "pause", "args": {}}

@@ -68,6 +68,14 @@ def proxy(live_server):
 
 
 @pytest.fixture
+def workdir(run, tmp_path, settings) -> Path:
+    """The run's own directory under a checkpoint root of its own: the only place ingest records its
+    checkpoints (jobs.confinement), as the platform lays it out."""
+    settings.TANDEM_CHECKPOINT_ROOT = tmp_path
+    return tmp_path / f"run-{run.pk}"
+
+
+@pytest.fixture
 def spec_file(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(SPEC)
@@ -157,10 +165,9 @@ def _checkpoint(workdir: Path, step: int) -> Path:
 
 
 def test_pause_and_resume_round_trip_and_a_redelivered_command_is_acted_on_once(
-    run, owner, proxy, spec_file, tmp_path, settings
+    run, owner, proxy, spec_file, workdir, settings
 ):
     settings.TANDEM_COMMAND_REDELIVER_S = 0.3  # an unacknowledged command rides out again after 0.3 s
-    workdir = tmp_path / "work"
     workdir.mkdir()
     pause = commands.create(owner, run, "pause")
     proxy.lose.add("/api/ingest/command_result")  # the pause's result gets lost on the way
@@ -198,8 +205,7 @@ def test_pause_and_resume_round_trip_and_a_redelivered_command_is_acted_on_once(
     assert _stored(run) == _jsonl_steps(workdir) and len(_stored(run)) == STEPS
 
 
-def test_stop_ends_the_run_early_with_a_final_checkpoint(run, owner, live_server, spec_file, tmp_path):
-    workdir = tmp_path / "work"
+def test_stop_ends_the_run_early_with_a_final_checkpoint(run, owner, live_server, spec_file, workdir):
     workdir.mkdir()
     stop = commands.create(owner, run, "stop")
     role = Role(live_server.url, run, 0, mint_run_token(run, 0), spec_file, workdir)
@@ -214,14 +220,19 @@ def test_stop_ends_the_run_early_with_a_final_checkpoint(run, owner, live_server
     record = CheckpointRecord.objects.get(run=run)  # registered before the stop was acknowledged
     assert (record.step, record.path) == (1, str(_checkpoint(workdir, 1)))
     assert [step for step, _ in _stored(run)] == [1]
+    # what the checkpoint browser shows: the weight version, the bytes on disk, the run's metrics at that step
+    manifest = json.loads((_checkpoint(workdir, 1) / "manifest.json").read_text())
+    assert record.weight_version == 1
+    assert record.size == sum(f["bytes"] for f in manifest["files"].values()) > 0
+    point = MetricPoint.objects.get(run=run, step=1).metrics
+    assert record.metrics and record.metrics == {k: point[k] for k in record.metrics}
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [_checkpoint(workdir, 1).name]
 
 
 def test_a_new_attempt_drains_the_old_spool_resumes_and_reports_heartbeats_steps_and_checkpoint(
-    run, live_server, spec_file, tmp_path
+    run, live_server, spec_file, workdir
 ):
     # Attempt 0 ran two steps and checkpointed, but never reached the platform: its records are in its spool.
-    workdir = tmp_path / "work"
     first = subprocess.run(
         [sys.executable, "-m", "runtime", "run", str(spec_file), f"output_dir={workdir}", "pipeline.steps=2"]
         + ["metrics.progress_bar=false"],
@@ -271,8 +282,7 @@ def test_a_new_attempt_drains_the_old_spool_resumes_and_reports_heartbeats_steps
     assert _handled(workdir) == []
 
 
-def test_sigterm_while_paused_exits_promptly_with_143_and_says_stopping(run, owner, live_server, spec_file, tmp_path):
-    workdir = tmp_path / "work"
+def test_sigterm_while_paused_exits_promptly_with_143_and_says_stopping(run, owner, live_server, spec_file, workdir):
     workdir.mkdir()
     pause = commands.create(owner, run, "pause")
     role = Role(live_server.url, run, 0, mint_run_token(run, 0), spec_file, workdir)
@@ -311,7 +321,7 @@ def test_a_rollback_is_acknowledged_after_the_points_before_it_and_before_the_st
     acks = Acknowledger(JsonPoster(live_server.url, token), lambda reply: desk.receive(reply), http.flush)
     desk = CommandDesk(control, CommandLog(tmp_path / "commands.jsonl"), acks)
     http.report(1, {"reward": 0.1})
-    http.event("checkpoint", {"step": 1, "path": "/runs/x/checkpoints/step-00000001"})
+    http.event("checkpoint", {"step": 1, "path": f"run-{run.pk}/checkpoints/step-00000001"})
     assert http.flush(timeout=30)
     rollback = commands.create(owner, run, "rollback", {"checkpoint": CheckpointRecord.objects.get(run=run).pk})
     http.report(2, {"reward": 0.2})

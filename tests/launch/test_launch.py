@@ -251,7 +251,7 @@ def test_checkpoint_records_follow_the_checkpoints_a_rollback_set_aside(run):
     from jobs.ingest.tokens import authenticate_run_token, mint_run_token
     from jobs.models import CheckpointRecord
 
-    root = "/data/run-1/checkpoints"
+    root = f"{launch.run_dir(run.pk)}/checkpoints"  # records are accepted only inside the run's own directory
     for step in (2, 4, 6):
         CheckpointRecord.objects.create(run=run, step=step, path=f"{root}/step-{step:08d}")
     token = authenticate_run_token(mint_run_token(run, 0))

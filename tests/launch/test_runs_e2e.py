@@ -135,6 +135,8 @@ def test_ci_submits_with_the_cli_and_waits_for_a_completed_run(platform, cluster
 
 
 def test_a_spec_the_runtime_rejects_fails_the_run_at_starting_with_its_message(platform, cluster):
+    cluster["team"].data_roots = ["/nonexistent"]  # confinement passes; the runtime finds nothing there
+    cluster["team"].save(update_fields=["data_roots"])
     run = _submit(platform, cluster, spec_text("bad", model={"builtin": None, "path": "/nonexistent/model"}))
     _wait_state(platform, run, RunState.FAILED)
     assert run.reason.startswith("trainer-0 rejected its input: model.path")

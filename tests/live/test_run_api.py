@@ -111,7 +111,9 @@ def test_ingest_streams_metrics_events_checkpoints_once(run):
         "attempt": 0,
         "role": "trainer",
         "points": [{"step": 1, "time": 100.0, "metrics": {"reward/mean": 0.5}}],
-        "events": [{"seq": 1, "kind": "checkpoint", "time": 101.0, "payload": {"step": 1, "path": "c/1"}}],
+        "events": [
+            {"seq": 1, "kind": "checkpoint", "time": 101.0, "payload": {"step": 1, "path": f"run-{run.pk}/c/1"}}
+        ],
     }
     assert client.post("/api/ingest/metrics", body, format="json").status_code == 200
     # A retried batch stores nothing new and streams nothing new

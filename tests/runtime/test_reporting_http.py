@@ -201,14 +201,17 @@ def test_platform_down_at_start_then_spool_replayed_by_a_new_reporter(tmp_path):
         platform.stop()
 
 
-def test_rejected_token_keeps_the_spool(platform, tmp_path):
+def test_a_refused_token_stops_the_sender_and_keeps_the_spool(platform, tmp_path):
+    """401: the run ended and its token with it. No retry can succeed: the sender stops after one POST,
+    flush and close return at once, and everything reported stays in the spool for the platform's replay."""
     rep = HttpReporter(platform.url, "wrong", tmp_path / "spool", run="r1", backoff_s=0.02, backoff_max_s=0.05)
     rep.report(1, {"accuracy": 1.0})
-    assert not rep.flush(timeout=0.3)
-    assert rep.last_error.startswith("HTTP 401")
-    rep.close(timeout=0.1)
+    assert not rep.flush(timeout=60)  # returns when the sender gives up, not after the 60 s
+    assert rep.refused and rep.last_error.startswith("HTTP 401")
+    rep.report(2, {"accuracy": 1.0})  # still spooled after the refusal
+    rep.close(timeout=60)
     assert platform.stored == {}
-    assert len((tmp_path / "spool" / SPOOL_FILE).read_text().splitlines()) == 1
+    assert len((tmp_path / "spool" / SPOOL_FILE).read_text().splitlines()) == 2
 
 
 def test_bad_arguments(tmp_path):

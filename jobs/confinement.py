@@ -1,0 +1,117 @@
+"""Which files a run may name: the one place where paths from specs and from ingest are confined.
+
+Every path is resolved first (symlinks followed, ``..`` folded), then:
+
+* a checkpoint a run's token registers must lie inside that run's own directory,
+  ``<TANDEM_CHECKPOINT_ROOT>/run-<id>`` (relative paths are taken from the checkpoint root);
+* a path a spec names (``model.path``, ``task.path``, ``task.eval_path``: every field called ``path`` or
+  ``*_path``; relative ones are taken from where role processes start, ``settings.BASE_DIR``) and a
+  fork's parent checkpoint must lie inside what the run's team may read: its own runs' directories,
+  its data roots (``Team.data_roots``, set by an admin) or the shared model root
+  (``settings.TANDEM_SHARED_MODEL_ROOT``). Inside the checkpoint root only the first counts, so a data
+  root drawn around the checkpoint root opens no other team's run.
+
+``output_dir`` is not checked: the platform replaces it with the run's own directory at launch.
+The decision never looks at the file itself, so a refusal reads the same whether or not the path
+exists; whether an allowed path exists is the runtime's check, made later.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from pydantic import BaseModel
+
+from jobs.models import Run
+from rlplatform.models import Team
+from runtime.spec import RunSpec
+
+__all__ = ["OUTSIDE_RUN", "OUTSIDE_TEAM", "SPEC_PATH_FIELDS", "inside_run", "refused_spec_paths", "team_may_read"]
+
+OUTSIDE_RUN = "must be inside this run's own directory (run-<id> under the checkpoint root)"
+OUTSIDE_TEAM = "is not inside this team's run directories, its data roots or the shared model root"
+_RUN_DIR = re.compile(r"^run-([1-9][0-9]{0,18})$")
+
+
+def _spec_path_fields(model: type[BaseModel], prefix: str = "") -> tuple[str, ...]:
+    """Dotted names of the spec's file-path fields, found by name so a new ``*_path`` field is confined too."""
+    found: list[str] = []
+    for name, info in model.model_fields.items():
+        section = info.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            found.extend(_spec_path_fields(section, f"{prefix}{name}."))
+        elif name == "path" or name.endswith("_path"):
+            found.append(f"{prefix}{name}")
+    return tuple(found)
+
+
+SPEC_PATH_FIELDS = _spec_path_fields(RunSpec)
+
+
+def checkpoint_root() -> Path:
+    return Path(settings.TANDEM_CHECKPOINT_ROOT).resolve()
+
+
+def run_directory(run_id: int) -> Path:
+    # Not resolved itself: a run-<id> that were a link to another run's directory must confine to nothing.
+    return checkpoint_root() / f"run-{run_id}"
+
+
+def _resolve(base: Path, value: Any) -> Path | None:
+    """``value`` resolved against ``base``; None for anything that is not a usable path string."""
+    if not isinstance(value, str) or not value or "\x00" in value:
+        return None
+    try:
+        return (base / value).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, an unreadable component
+        return None
+
+
+def inside_run(run_id: int, recorded: Any) -> Path | None:
+    """A checkpoint path as the runtime reports it, resolved; None unless inside the run's own directory."""
+    path = _resolve(checkpoint_root(), recorded)
+    return path if path is not None and path.is_relative_to(run_directory(run_id)) else None
+
+
+def _readable_roots(team: Team) -> list[Path]:
+    roots = [Path(item).resolve() for item in team.data_roots or [] if isinstance(item, str) and item]
+    if settings.TANDEM_SHARED_MODEL_ROOT is not None:
+        roots.append(Path(settings.TANDEM_SHARED_MODEL_ROOT).resolve())
+    return roots
+
+
+def _may_read(team: Team, path: Path | None) -> bool:
+    if path is None:
+        return False
+    root = checkpoint_root()
+    if path.is_relative_to(root):
+        parts = path.relative_to(root).parts
+        match = _RUN_DIR.match(parts[0]) if parts else None
+        return match is not None and Run.objects.filter(pk=int(match[1]), experiment__team=team).exists()
+    return any(path.is_relative_to(allowed) for allowed in _readable_roots(team))
+
+
+def team_may_read(team: Team, value: Any, *, base: Path | None = None) -> bool:
+    """Whether ``team``'s runs may read ``value`` (relative: from ``base``, by default where roles start)."""
+    return _may_read(team, _resolve(base or Path(settings.BASE_DIR), value))
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def refused_spec_paths(team: Team, resolved_spec: dict[str, Any], parent_checkpoint: str = "") -> list[dict[str, str]]:
+    """Field errors, one per path of a resolved spec (and the fork's parent checkpoint) the team may not read."""
+    errors = [
+        {"field": field, "message": OUTSIDE_TEAM}
+        for field in SPEC_PATH_FIELDS
+        if _get(resolved_spec, field) is not None and not team_may_read(team, _get(resolved_spec, field))
+    ]
+    if parent_checkpoint and not team_may_read(team, parent_checkpoint, base=checkpoint_root()):
+        errors.append({"field": "parent_checkpoint", "message": OUTSIDE_TEAM})
+    return errors

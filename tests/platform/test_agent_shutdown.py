@@ -1,0 +1,105 @@
+"""A host agent (a real ``celery -A rlplatform worker`` with its role supervisor, as `make demo` starts it:
+prefork pool, Redis broker, PostgreSQL) ends on SIGTERM, and on a second SIGTERM during its warm shutdown,
+within 10 s, by itself (rlplatform.shutdown's exit guard never had to end it), with its host offline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from django.db import connection
+
+from rlplatform import shutdown
+from rlplatform.models import Host, ResourceGroup
+from tests.platform.test_agent_worker import _test_database_url, _wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+EXIT_S = 10.0  # the bound the issue sets on a host agent's shutdown
+AGENT_REDIS_DB = 12  # a database of its own: nothing queued here reaches another test's worker
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs the Redis broker: set REDIS_URL"),
+    pytest.mark.django_db(transaction=True),
+]
+
+
+def _redis_url() -> str:
+    return urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path=f"/{AGENT_REDIS_DB}"))
+
+
+@pytest.mark.parametrize("sigterms", [1, 2], ids=["one SIGTERM", "two SIGTERMs"])
+def test_the_host_agent_ends_within_seconds_on_sigterm_and_marks_its_host_offline(tmp_path, sigterms):
+    if connection.vendor != "postgresql":
+        pytest.skip("a worker process cannot share an SQLite test database; set DATABASE_URL to PostgreSQL")
+    name = f"stop-{uuid.uuid4().hex[:8]}"
+    ResourceGroup.objects.create(name="stop-test", kind="cpu")
+    env = {
+        **os.environ,
+        "DATABASE_URL": _test_database_url(),
+        "REDIS_URL": _redis_url(),
+        "SECRET_KEY": "agent-test",
+        "TANDEM_HOST_NAME": name,
+        "TANDEM_HOST_GROUP": "stop-test",
+        "TANDEM_HOST_DEVICE_KIND": "cpu",
+        "TANDEM_CPU_DEVICES": "2",
+        "TANDEM_HEARTBEAT_S": "0.5",
+        "TANDEM_SUPERVISE_S": "0.3",
+        "TANDEM_CHECKPOINT_ROOT": str(tmp_path / "runs"),
+    }
+    log = tmp_path / "worker.log"
+    command = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--concurrency", "2"]
+    command += ["-n", f"{name}@%h", "-Q", f"idle.{name}", "--without-gossip", "--without-mingle", "-l", "INFO"]
+    with log.open("w") as out:
+        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: Host.objects.filter(name=name, status="online").exists(), "register its host", log)
+        _wait_for(lambda: "ready." in log.read_text(), "get ready", log)
+        worker.send_signal(signal.SIGTERM)
+        if sigterms == 2:  # the second arrives while the first's warm shutdown is under way
+            _wait_for(lambda: "Warm shutdown" in log.read_text(), "start its warm shutdown", log)
+            worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=EXIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker did not exit within {EXIT_S:g} s of SIGTERM; its log:\n{log.read_text()[-4000:]}")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        redis.Redis.from_url(_redis_url()).flushdb()
+    text = log.read_text()
+    assert worker.returncode == 0, text[-4000:]
+    assert f"host agent {name}: host marked offline" in text
+    assert "threads left" not in text, text[-4000:]  # it exited by itself, not by the exit guard
+    assert Host.objects.get(name=name).status == "offline"
+
+
+@pytest.mark.django_db(transaction=False)
+def test_the_exit_guard_ends_a_process_whose_exit_a_stuck_thread_holds_and_names_the_thread():
+    code = (
+        "import logging, threading; logging.basicConfig();"
+        "from rlplatform import shutdown;"
+        "threading.Thread(target=threading.Event().wait, name='stuck-reader').start();"
+        "shutdown.arm_exit_guard()"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "rlplatform.settings", "SECRET_KEY": "guard-test"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert "threads left: stuck-reader (non-daemon)" in done.stderr
+
+
+@pytest.mark.django_db(transaction=False)
+def test_bounded_gives_up_on_a_call_that_hangs_and_returns_what_a_quick_one_returns():
+    hang = threading.Event()
+    assert shutdown.bounded(hang.wait, 0.2, "hang") is None
+    hang.set()
+    assert shutdown.bounded(lambda: "marked", 5.0, "quick") == "marked"
