@@ -161,8 +161,10 @@ class _Relay:
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self.tasks:
+            # asyncio.wait, not a suppressed await of each task: a cancellation of stop() itself (an event
+            # loop closing) must go through, or the loop's shutdown waits on it for ever
+            await asyncio.wait(self.tasks)
         if self.channel is not None:
             await self.layer.group_discard(stream.run_group(self.run_id), self.channel)
 

@@ -21,14 +21,30 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.security.websocket import OriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
 
 from jobs.api.views import RunStatusFastPath  # noqa: E402
 from jobs.routing import websocket_urlpatterns  # noqa: E402
 
+
+class AllowedHostsOrigins(OriginValidator):
+    """WebSockets only from origins in ALLOWED_HOSTS, read at each handshake: channels' own
+    AllowedHostsOriginValidator keeps the list it saw at import, so a process whose settings change
+    afterwards (the test environment adds its host) would check a stale one."""
+
+    def __init__(self, application):
+        super().__init__(application, [])
+
+    def valid_origin(self, parsed_origin):
+        hosts = settings.ALLOWED_HOSTS
+        self.allowed_origins = hosts or (["localhost", "127.0.0.1", "[::1]"] if settings.DEBUG else [])
+        return super().valid_origin(parsed_origin)
+
+
 application = ProtocolTypeRouter(
     {
         "http": RunStatusFastPath(django_asgi_app),
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOrigins(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

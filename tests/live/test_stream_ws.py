@@ -213,6 +213,25 @@ def test_foreign_origin_is_refused(run, owner, cookie_for, flush_layer):
     assert connected is False
 
 
+def test_allowed_origins_are_the_hosts_allowed_now_not_at_import(run, owner, cookie_for, flush_layer, settings):
+    """The process's ALLOWED_HOSTS are read at each handshake (a validator built at import kept a stale list:
+    the WebSocket tests failed whenever another test module imported the ASGI app before the test setup)."""
+    import rlplatform.asgi  # noqa: F401  (built now, before the change below)
+
+    settings.ALLOWED_HOSTS = ["ui.example.org"]
+    cookie = cookie_for(owner)
+
+    async def scenario():
+        results = []
+        for origin in (b"http://ui.example.org", b"http://testserver"):
+            comm = communicator(f"/ws/runs/{run.pk}/", cookie, origin=origin)
+            results.append((await comm.connect())[0])
+            await comm.disconnect()
+        return results
+
+    assert async_to_sync(scenario)() == [True, False]
+
+
 def test_bad_subscribe_gets_an_error_naming_the_field(run, owner, cookie_for, flush_layer):
     cookie = cookie_for(owner)
 
