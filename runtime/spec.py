@@ -246,14 +246,14 @@ class RolloutSpec(_Section):
         "from_stats",
         description="Predict response lengths from history (per prompt, per task, prompt length) or assume the max.",
     )
-    bucket_boundaries: list[Int] | None = Field(
-        None, description="Predicted-length bucket edges (increasing); default: quantiles of observed lengths."
-    )
-    num_buckets: Int = Field(4, ge=1, le=64, description="Buckets derived from observed length quantiles.")
-    mix_long_short: Bool = Field(True, description="Mix long and short requests into balanced scheduling groups.")
     hang_timeout_s: Float = Field(
         300.0, gt=0, le=86400, description="Async: a rollout instance silent this long is killed and replaced."
     )
+
+    @field_validator("length_prediction", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
 
     @field_validator("max_batch_tokens")
     @classmethod
@@ -261,13 +261,6 @@ class RolloutSpec(_Section):
         max_new = info.data.get("max_new_tokens")
         if max_new is not None and v < max_new + 1:
             raise ValueError(f"{v} is smaller than one prompt token plus max_new_tokens ({max_new})")
-        return v
-
-    @field_validator("bucket_boundaries")
-    @classmethod
-    def _edges_increase(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or v[0] < 1 or any(b <= a for a, b in zip(v, v[1:], strict=False))):
-            raise ValueError(f"must be positive and strictly increasing, got {v}")
         return v
 
 
@@ -424,6 +417,14 @@ class RunSpec(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> RunSpec:
         errors: list[dict[str, str]] = []
+        if self.rollout.engine == "vllm":
+            errors.append(
+                {
+                    "field": "rollout.engine",
+                    "message": "vllm is not wired into the run paths yet (every mode would generate with the "
+                    "built-in engine); use builtin",
+                }
+            )
         if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
             errors.append({"field": "algorithm.group_size", "message": "GRPO needs a group size of at least 2"})
         if self.pipeline.mode == "colocated" and self.resources.rollout_devices > 0:
@@ -497,6 +498,16 @@ class RunSpec(_Section):
                     "message": "0 is allowed only in async mode with resources.remote_rollout_workers",
                 }
             )
+        taken = {e["field"] for e in errors}
+        for path, modes in MODE_ONLY.items():
+            if path not in taken and not self._acts(path) and _value_at(self, path) != _default_at(path):
+                errors.append(
+                    {
+                        "field": path,
+                        "message": f"acts only in pipeline.mode {' or '.join(modes)}, not {self.pipeline.mode}: "
+                        f"leave it at {json.dumps(_default_at(path))}",
+                    }
+                )
         if self.pipeline.scale_up_below >= self.pipeline.scale_down_above:
             errors.append(
                 {
@@ -517,12 +528,49 @@ class RunSpec(_Section):
     def queue_capacity(self) -> int:
         return self.pipeline.queue_capacity or 5 * self.samples_per_step
 
+    def _acts(self, path: str) -> bool:
+        """Whether the knob at ``path`` acts in this spec's mode (every knob outside MODE_ONLY does)."""
+        modes = MODE_ONLY.get(path)
+        return modes is None or self.pipeline.mode in modes
+
     def resolved(self) -> dict[str, Any]:
-        """The full spec with every default filled in (JSON-compatible)."""
-        return self.model_dump(mode="json")
+        """The full spec with every default filled in (JSON-compatible), less the knobs that do not act in
+        its mode (MODE_ONLY): it records what runs."""
+        data = self.model_dump(mode="json")
+        for path in MODE_ONLY:
+            if not self._acts(path):
+                section, name = path.split(".")
+                del data[section][name]
+        return data
 
     def resolved_output_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+
+# Knobs that act only in some pipeline modes. Elsewhere a value other than the default is refused (it would be
+# recorded and ignored), and the resolved spec leaves the knob out.
+MODE_ONLY: dict[str, tuple[str, ...]] = {
+    # the length predictor orders an async run's dispatch; sync and colocated generate each batch whole
+    "rollout.length_prediction": ("async",),
+    # colocated alone alternates generation and training on the same devices
+    "pipeline.offload_optimizer": ("colocated",),
+    # sync and colocated generate with one engine inside the trainer, on its devices
+    "resources.rollout_workers": ("async",),
+    "resources.rollout_devices": ("async",),
+    "resources.eval_devices": ("async",),
+}
+
+
+def _value_at(spec: BaseModel, path: str) -> Any:
+    section, name = path.split(".")
+    return getattr(getattr(spec, section), name)
+
+
+def _default_at(path: str) -> Any:
+    section, name = path.split(".")
+    model = RunSpec.model_fields[section].annotation
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    return model.model_fields[name].default
 
 
 class _CombinationError(ValueError):

@@ -26,11 +26,13 @@ SPEC_1_DEVICE = "name: tiny\nresources:\n  device: cpu\n  trainer_devices: 1\n"
 
 
 def spec_for(devices: int = 1, *, device: str = "cpu", rollout_workers: int = 1, name: str = "tiny") -> str:
-    """A valid spec asking for ``devices`` trainer devices."""
-    return (
-        f"name: {name}\nresources:\n  device: {device}\n  trainer_devices: {devices}\n"
-        f"  rollout_workers: {rollout_workers}\n"
-    )
+    """A valid spec asking for ``devices`` trainer devices; more than one rollout instance makes it an async
+    run (the only mode they act in), with a rollout device of its own on an accelerator."""
+    text = f"name: {name}\nresources:\n  device: {device}\n  trainer_devices: {devices}\n"
+    text += f"  rollout_workers: {rollout_workers}\n"
+    if rollout_workers == 1:
+        return text
+    return "pipeline:\n  mode: async\n" + text + ("  rollout_devices: 1\n" if device != "cpu" else "")
 
 
 @pytest.fixture

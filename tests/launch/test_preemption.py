@@ -77,7 +77,7 @@ def test_no_preemption_when_even_every_candidate_would_not_make_room(
     high = make_experiment(team_a, group, "high", priority=10)
     _running(owner, low, 2, True, django_capture_on_commit_callbacks)
     # rank 0 with its 2 rollout devices: 3 on one host, which no 2-device host ever holds
-    spec = _spec(1, False) + "  rollout_devices: 2\n"
+    spec = "pipeline:\n  mode: async\n" + _spec(1, False) + "  rollout_devices: 2\n"
     waiting, _ = handler.submit_run(owner, high, spec)
     assert waiting.state == RunState.QUEUED and waiting.reason.startswith("no free cpu devices")
     assert preemption.preempt_for_waiting(group.pk) == []

@@ -262,13 +262,17 @@ def test_a_higher_priority_run_preempts_a_preemptible_one_which_resumes_later(pl
         team=cluster["team"], group=cluster["group"], name="urgent", max_devices=2, max_concurrent_runs=1, priority=10
     )
     Experiment.objects.create(team=cluster["team"], name="urgent", group=cluster["group"], quota=urgent_quota)
-    two_devices = {"rollout_devices": 1}
-    low = _submit(platform, cluster, spec_text("low", steps=40, resources={**two_devices, "preemptible": True}))
+    two_devices = {"rollout_devices": 1}  # (async: the mode rollout devices act in)
+    low = _submit(
+        platform, cluster, spec_text("low", mode="async", steps=40, resources={**two_devices, "preemptible": True})
+    )
     _wait_state(platform, low, RunState.RUNNING)
     wait_for(lambda: CheckpointRecord.objects.filter(run=low).exists(), "a checkpoint", RUN_S, platform.logs)
     # Paused, so the preemption finds it mid-run however fast this machine is.
     assert _command(platform, cluster, low, "pause").state == "done"
-    created, body = _api(platform, cluster).submit("urgent", spec_text("high", steps=4, resources=two_devices))
+    created, body = _api(platform, cluster).submit(
+        "urgent", spec_text("high", mode="async", steps=4, resources=two_devices)
+    )
     high = Run.objects.get(pk=body["id"])
 
     _wait_state(platform, high, RunState.COMPLETED, RunState.FAILED)

@@ -60,9 +60,9 @@ def _roots(settings, tmp_path):
     settings.TANDEM_CHECKPOINT_ROOT = tmp_path
 
 
-def _spec(trainer_devices: int, **resources) -> str:
+def _spec(trainer_devices: int, mode: str = "sync", **resources) -> str:
     extra = "".join(f"  {key}: {value}\n" for key, value in resources.items())
-    return f"name: ranks\nresources:\n  device: cpu\n  trainer_devices: {trainer_devices}\n{extra}"
+    return f"name: ranks\npipeline:\n  mode: {mode}\nresources:\n  device: cpu\n  trainer_devices: {trainer_devices}\n{extra}"
 
 
 def _roles(run) -> dict[str, RunRole]:
@@ -99,7 +99,7 @@ def test_each_trainer_role_starts_with_its_ranks_at_the_leaders_rendezvous(
     cpu_group.hosts.filter(name="cpu-local-h1").update(address="10.0.0.1")
     cpu_group.hosts.filter(name="cpu-local-h2").update(address="10.0.0.2")
     # 4 ranks + 2 rollout devices beside rank 0: trainer-0 holds 4 devices (ranks 0-1 + the two), trainer-1 two
-    run, _ = handler.submit_run(owner, experiment, _spec(4, rollout_devices=2))
+    run, _ = handler.submit_run(owner, experiment, _spec(4, "async", rollout_devices=2))
     launch_captured(run, django_capture_on_commit_callbacks)
     roles = _roles(run)
     assert [(r.host.name, len(r.device_indices)) for r in roles.values()] == [("cpu-local-h1", 4), ("cpu-local-h2", 2)]

@@ -58,6 +58,23 @@ def test_dict_specs_and_overrides_are_accepted(experiment, owner):
             "resources:\n  trainer_devices: 100000\n",
             [("resources.trainer_devices", "Input should be less than or equal to 4096")],
         ),
+        (  # a sync run would hold the 3 extra devices and use none of them
+            "resources:\n  rollout_devices: 2\n  eval_devices: 1\n",
+            [
+                ("resources.rollout_devices", "acts only in pipeline.mode async, not sync: leave it at 0"),
+                ("resources.eval_devices", "acts only in pipeline.mode async, not sync: leave it at 0"),
+            ],
+        ),
+        (
+            "rollout:\n  engine: vllm\n",
+            [
+                (
+                    "rollout.engine",
+                    "vllm is not wired into the run paths yet (every mode would generate with the built-in "
+                    "engine); use builtin",
+                )
+            ],
+        ),
     ],
 )
 def test_bad_specs_name_the_field_and_write_nothing(experiment, owner, text, expected):
@@ -82,7 +99,7 @@ def test_request_larger_than_the_quota_and_wrong_device_kind_are_refused(
         handler.submit_run(owner, small, spec(3, device="npu", rollout_workers=5))
     assert _fields(info) == [
         ("resources.device", "group cpu-local has cpu devices, not npu"),
-        ("resources", "needs 3 devices; the experiment's quota allows 2"),
+        ("resources", "needs 4 devices; the experiment's quota allows 2"),  # 3 trainer ranks + 1 rollout
         ("resources.rollout_workers", "5 exceeds the quota's 2 rollout workers"),
     ]
     assert _nothing_written()

@@ -39,7 +39,7 @@ def refused(source, overrides=None) -> list[dict[str, str]]:
         ("pipeline:\n  steps: true\n", "pipeline.steps", NOT_AN_INT),
         ("pipeline:\n  steps: '5'\n", "pipeline.steps", NOT_AN_INT),
         ("pipeline:\n  steps: 5.0\n", "pipeline.steps", NOT_AN_INT),
-        ("rollout:\n  bucket_boundaries: [4, '8']\n", "rollout.bucket_boundaries.1", NOT_AN_INT),
+        ("rollout:\n  top_k: '8'\n", "rollout.top_k", NOT_AN_INT),
         ("model:\n  reference: 'yes'\n", "model.reference", NOT_A_BOOLEAN),
         ("model:\n  reference: 1\n", "model.reference", NOT_A_BOOLEAN),
     ],
