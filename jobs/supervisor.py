@@ -59,7 +59,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from jobs import checkpoints, commands, launch
+from jobs import checkpoints, commands, confinement, launch
 from jobs.ingest.tokens import mint_run_token
 from jobs.models import RoleHeartbeat, Run, RunRole
 from jobs.models import RoleState as R
@@ -212,7 +212,7 @@ def start_role(role_id: int, attempt: int) -> str:
     )
     if not claimed:
         return "not-claimed"  # already started (a redelivered task) or superseded by a newer attempt
-    role = RunRole.objects.select_related("run", "host", "host__group").get(pk=role_id)
+    role = RunRole.objects.select_related("run", "run__experiment__team", "host", "host__group").get(pk=role_id)
     run = role.run
     if RunState(run.state) not in ACTIVE_STATES:
         launch.role_exited(role.pk, attempt, None, why=f"not started: the run is {run.state}")
@@ -220,6 +220,12 @@ def start_role(role_id: int, attempt: int) -> str:
     if launch.superseded(role, run):  # an attempt queued before its run was requeued and admitted again
         launch.role_exited(role.pk, attempt, None, why="not started: its run was admitted again")
         return "superseded"
+    # Checked at submit, and again now: a link under the team's own data root may lead elsewhere since.
+    refused = confinement.refused_spec_paths(run.experiment.team, run.resolved_spec, run.parent_checkpoint)
+    if refused:
+        why = "; ".join(f"{error['field']}: {error['message']}" for error in refused)
+        launch.role_exited(role.pk, attempt, launch.EXIT_BAD_INPUT, f"error: {why}\n")
+        return "refused"
     directory = launch.role_dir(role)
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -213,6 +213,36 @@ def test_a_symlink_in_the_teams_data_root_into_another_teams_run_is_refused(
     assert Run.objects.count() == runs_before
 
 
+def test_a_link_changed_after_submit_is_refused_when_the_role_starts(
+    owner, team_a, experiment, their_checkpoint, checkpoint_root, tmp_path, django_capture_on_commit_callbacks
+):
+    """The paths are checked again when a role starts: a link under the team's data root, re-pointed into
+    another team's run after the submit, fails the run as bad input and starts no process."""
+    from jobs import launch, supervisor
+    from jobs.models import RoleState
+    from jobs.states import RunState
+
+    data = tmp_path / "team-a-data"
+    (data / "model").mkdir(parents=True)
+    os.symlink(data / "model", data / "current")
+    team_a.data_roots = [str(data)]
+    team_a.save()
+    run, _ = handler.submit_run(owner, experiment, _spec("model.path", data / "current"))
+    assert run.state == RunState.ADMITTED
+    with django_capture_on_commit_callbacks(execute=False):
+        role = launch.launch_run(run.pk)
+    os.remove(data / "current")
+    os.symlink(their_checkpoint / "policy", data / "current")  # after the submit's check
+
+    assert supervisor.start_role(role.pk, 0) == "refused"
+    run.refresh_from_db()
+    role.refresh_from_db()
+    assert run.state == RunState.FAILED
+    assert run.reason == f"trainer-0 rejected its input: model.path: {OUTSIDE_TEAM}"
+    assert (role.state, role.exit_code, role.pid, role.restarts) == (RoleState.EXITED, 2, None, 0)
+    assert not (launch.role_dir(role) / "pid").exists()
+
+
 def test_the_shared_model_root_the_teams_data_roots_and_its_own_runs_are_readable(
     as_user, owner, team_a, experiment, run, checkpoint_root, tmp_path, settings
 ):
