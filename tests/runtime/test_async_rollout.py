@@ -76,6 +76,7 @@ def test_rewards_from_a_failing_server_drop_whole_groups_and_lose_nothing(tmp_pa
             mode,
             BASE,
             pipeline__mode=mode,
+            resources__rollout_workers=2 if mode == "async" else 1,  # instances of their own: async only
             reward__url=server.url,
             reward__max_retries=1,
             reward__backoff_s=0.01,

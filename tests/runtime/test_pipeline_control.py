@@ -115,7 +115,12 @@ def test_stop_and_preempt_checkpoint_at_that_step_then_acknowledge(tmp_path, kin
     assert [p.name for p in (tmp_path / kind / CHECKPOINT_DIR).iterdir()] == ["step-00000002"]
     assert log.steps() == [1, 2]
     # acknowledged after the checkpoint was written and its event reported
-    checkpoint_at = log.entries.index(("event", "checkpoint", {"step": 2, "path": result["checkpoint"]}))
+    (checkpoint_at,) = [
+        i
+        for i, (kind_, *rest) in enumerate(log.entries)
+        if (kind_, rest[0]) == ("event", "checkpoint")
+        and (rest[1]["step"], rest[1]["path"]) == (2, result["checkpoint"])
+    ]
     ack = (
         "ack",
         7,
