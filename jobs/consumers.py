@@ -169,15 +169,8 @@ class _Relay:
             await self.layer.group_discard(stream.run_group(self.run_id), self.channel)
 
     async def _pump(self) -> None:
-        while True:
-            try:
-                message = await self.layer.receive(self.channel)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a channel-layer outage: what is lost meanwhile, consumers repair from the table
-                log.warning("relay of run %s could not receive", self.run_id, exc_info=True)
-                await asyncio.sleep(1.0)
-                continue
+        # (what an outage loses, consumers repair from the table: the next entry's gap check)
+        async for message in stream.channel_messages(self.layer, self.channel, f"relay of run {self.run_id}"):
             if message.get("type") == "stream.entries":
                 for consumer in list(self.consumers):
                     consumer.relay(message)

@@ -98,15 +98,8 @@ class _Listener:
                 await self.layer.group_discard(stream.run_end_group(run_id), self.channel)
 
     async def _pump(self) -> None:
-        while True:
-            try:
-                message = await self.layer.receive(self.channel)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # an outage: waiters meanwhile find the end at their next re-check
-                log.warning("long-poll listener could not receive; retrying in 1 s", exc_info=True)
-                await asyncio.sleep(1.0)
-                continue
+        # (during an outage, waiters find the end at their next re-check)
+        async for message in stream.channel_messages(self.layer, self.channel, "long-poll listener"):
             for event in self.waiting.get(message.get("run"), ()):
                 event.set()
 

@@ -28,9 +28,10 @@ lists as one ``runs.queue`` message per team. A run's terminal state also goes t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from asgiref.sync import async_to_sync
@@ -226,3 +227,18 @@ def group_usage(group_id: int) -> dict[str, Any]:
 
 def _send_usage(group_id: int) -> None:
     _send(cluster_group(group_id), {"type": "runs.cluster", "data": group_usage(group_id)})
+
+
+async def channel_messages(layer, channel: str, what: str) -> AsyncIterator[dict[str, Any]]:
+    """The messages of one channel-layer ``channel``, for ever. A layer outage is logged and retried each
+    second: what is lost meanwhile, the reader repairs from the database (the stream table, a run's state)."""
+    while True:
+        try:
+            message = await layer.receive(channel)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("%s could not receive; retrying in 1 s", what, exc_info=True)
+            await asyncio.sleep(1.0)
+            continue
+        yield message

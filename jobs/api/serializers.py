@@ -49,17 +49,21 @@ class FieldsOnceMixin:
         return copy.deepcopy(prototype)
 
 
-class ExperimentSerializer(serializers.ModelSerializer):
-    team_name = serializers.CharField(source="team.name", read_only=True)
-    group_name = serializers.CharField(source="group.name", read_only=True)
-    quota_name = serializers.CharField(source="quota.name", read_only=True)
-    created_by = serializers.CharField(
+def _created_by() -> serializers.CharField:
+    return serializers.CharField(
         source="created_by.get_username",
         read_only=True,
         default=None,
         allow_null=True,
         help_text="null: a deleted user",
     )
+
+
+class ExperimentSerializer(serializers.ModelSerializer):
+    team_name = serializers.CharField(source="team.name", read_only=True)
+    group_name = serializers.CharField(source="group.name", read_only=True)
+    quota_name = serializers.CharField(source="quota.name", read_only=True)
+    created_by = _created_by()
 
     class Meta:
         model = Experiment
@@ -94,13 +98,7 @@ class RunSerializer(FieldsOnceMixin, serializers.ModelSerializer):
 
     experiment_name = serializers.CharField(source="experiment.name", read_only=True)
     team = serializers.IntegerField(source="experiment.team_id", read_only=True)
-    created_by = serializers.CharField(
-        source="created_by.get_username",
-        read_only=True,
-        default=None,
-        allow_null=True,
-        help_text="null: a deleted user",
-    )
+    created_by = _created_by()
     queue_position = serializers.SerializerMethodField(help_text="1-based position in the group's queue (QUEUED only)")
     terminal = serializers.SerializerMethodField(
         help_text="COMPLETED, FAILED, CANCELLED or PREEMPTED: a waiting client stops here"

@@ -483,11 +483,9 @@ def test_hot_path_token_check_agrees_with_rlplatform_tokens(owner, editor, super
 # --- the run-status fast path (jobs.api.views.RunStatusFastPath) ------------------------------------------
 
 
-def _asgi_get(app, path, headers, query=b""):
-    """(status, headers, body) of one GET through the ASGI application ``app``."""
+async def asgi_get(app, path, headers, query=b""):
+    """(status, headers, body) of one GET through the ASGI application ``app``, awaited."""
     import asyncio
-
-    from asgiref.sync import async_to_sync
 
     scope = {
         "type": "http",
@@ -514,10 +512,17 @@ def _asgi_get(app, path, headers, query=b""):
     async def send(message):
         sent.append(message)
 
-    async_to_sync(app)(scope, receive, send)
+    await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return start["status"], sorted((k.lower(), v) for k, v in start["headers"]), body
+
+
+def _asgi_get(app, path, headers, query=b""):
+    """asgi_get from synchronous code."""
+    from asgiref.sync import async_to_sync
+
+    return async_to_sync(asgi_get)(app, path, headers, query)
 
 
 class _CountingApp:

@@ -21,6 +21,7 @@ from jobs import handler, longpoll
 from jobs.api import serializers as s
 from jobs.models import Run, RunStreamEntry
 from jobs.states import RunState
+from tests.api.test_api_runs import asgi_get
 from tests.live.helpers import communicator
 
 QUEUED_BEHIND = 6
@@ -139,34 +140,9 @@ async def _asgi_get(path: str, query: bytes, token: str) -> tuple[int, dict]:
     """(status, JSON body) of one GET through the real ASGI application (rlplatform.asgi)."""
     from rlplatform.asgi import application
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query,
-        "root_path": "",
-        "headers": [(b"host", b"testserver"), (b"authorization", f"Bearer {token}".encode())],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-    }
-    pending = [{"type": "http.request", "body": b"", "more_body": False}]
-    sent = []
-
-    async def receive():
-        if pending:
-            return pending.pop()
-        await asyncio.Event().wait()  # the client stays connected
-
-    async def send(message):
-        sent.append(message)
-
-    await application(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] != start["type"]))
+    headers = [(b"host", b"testserver"), (b"authorization", f"Bearer {token}".encode())]
+    status, _headers, body = await asgi_get(application, path, headers, query)
+    return status, json.loads(body)
 
 
 async def _until(condition, what: str, timeout_s: float = 60.0) -> None:
