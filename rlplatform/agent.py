@@ -31,6 +31,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connection
 
 from rlplatform import hosts, inventory, shutdown
+from rlplatform.admission_request import request_admission
 from rlplatform.env import env_int, env_str
 
 logger = logging.getLogger(__name__)
@@ -105,8 +106,6 @@ class HostAgent:
 
     def register(self) -> bool:
         """Probe and register; False (logged) when the probe or the platform refused."""
-        from rlplatform.tasks import request_admission  # tasks imports this module
-
         try:
             devices = self._probe()
             result = hosts.register_host(
@@ -127,8 +126,6 @@ class HostAgent:
 
     def beat(self) -> None:
         """One heartbeat (registering first when needed)."""
-        from rlplatform.tasks import request_admission
-
         if not self.registered:
             self.register()
             return

@@ -15,28 +15,11 @@ import logging
 
 from celery import shared_task
 from django.conf import settings
-from django.db import transaction
 
 from rlplatform import hosts
-from rlplatform.celery import app
+from rlplatform.admission_request import request_admission
 
 logger = logging.getLogger(__name__)
-
-# By name: the platform app must not import jobs (DESIGN.md's dependency direction).
-ADMISSION_TASK = "jobs.tasks.admit_pending"
-
-
-def _send_admission() -> None:
-    # The project app explicitly: it carries the broker settings, whichever app a thread has as current.
-    app.signature(ADMISSION_TASK).apply_async()
-
-
-def request_admission() -> None:
-    """Queue one admission pass after the current transaction commits.
-
-    A broker error is logged, not raised: the periodic pass (TANDEM_ADMISSION_INTERVAL_S) catches up.
-    """
-    transaction.on_commit(_send_admission, robust=True)
 
 
 @shared_task(name="rlplatform.tasks.register_host", soft_time_limit=60, time_limit=90)
