@@ -43,6 +43,17 @@ class RewardServer:
                     if mode == "flaky":
                         mode = "fail" if server.flaky_failures > 0 else "ok"
                         server.flaky_failures -= 1
+                answered = False
+
+                def answering():
+                    # Out of flight before the reply leaves: the client may send its next request the
+                    # moment it has read this one, before this thread would get to a `finally`.
+                    nonlocal answered
+                    if not answered:
+                        answered = True
+                        with server.lock:
+                            server.in_flight -= 1
+
                 try:
                     if mode == "hang":
                         server.release.wait(10)
@@ -50,6 +61,7 @@ class RewardServer:
                     if mode == "slow":
                         time.sleep(0.2)
                     if mode in ("fail", "reject"):
+                        answering()
                         self.send_response(500 if mode == "fail" else 400)
                         self.end_headers()
                         return
@@ -60,13 +72,13 @@ class RewardServer:
                             {"reward": len(body["response"]) if server.reward is None else server.reward}
                         ).encode()
                     )
+                    answering()
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(reply)))
                     self.end_headers()
                     self.wfile.write(reply)
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    answering()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
