@@ -329,6 +329,11 @@ class HttpReporter:
             else:
                 self._write_cursor(offset, self._next_seq)
             self._offset = offset
+            if offset >= self._size:
+                # Everything is delivered: a flush's wake-up is spent here, under the lock, before the sender
+                # decides on its pause. Left for flush() to clear after it wakes, the sender could see it
+                # first, skip min_interval_s and send the next record at once.
+                self._wake = False
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ sending
