@@ -37,13 +37,12 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harness import free_port, loadavg, setup_django, start_server, stop_server, tree_cpu_s
+from harness import free_port, loadavg, server_figures, setup_django, start_server, stop_server, tree_cpu_s
 
 SPEC = "name: bench\nresources:\n  device: cpu\n  trainer_devices: 1\n"
 
@@ -411,13 +410,8 @@ def main() -> None:
     s = seed(tag)
     port = free_port()
     server = start_server(port, args.workers)
-    figures: dict = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work: figures are indicative)",
-        "server": f"uvicorn rlplatform.asgi:application, {args.workers} worker(s)",
-        "quick": args.quick,
-        "database_pool": os.environ.get("DATABASE_POOL", "default (on for PostgreSQL)"),
-        "loadavg_start": loadavg(),
-    }
+    figures: dict = server_figures(args.workers, args.quick)
+    figures["database_pool"] = os.environ.get("DATABASE_POOL", "default (on for PostgreSQL)")
     print(f"load average at start: {figures['loadavg_start']} (1/5/15 min, {os.cpu_count()} cores)")
     try:
         run_phases(s, tag, port, server.pid, args, figures, phase_s, rate_s, levels)

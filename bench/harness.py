@@ -8,6 +8,7 @@ Imported as ``harness`` by the scripts in this folder (run as
 from __future__ import annotations
 
 import os
+import platform
 import secrets
 import socket
 import subprocess
@@ -101,3 +102,13 @@ def django_only_application():
     import rlplatform.asgi  # sets Django up
 
     return rlplatform.asgi.django_asgi_app
+
+
+def server_figures(workers: int, quick: bool) -> dict:
+    """The first figures of a benchmark against ``start_server``: the machine, the server, the load."""
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work: figures are indicative)",
+        "server": f"uvicorn rlplatform.asgi:application, {workers} worker(s)",
+        "quick": quick,
+        "loadavg_start": loadavg(),
+    }

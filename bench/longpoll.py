@@ -31,12 +31,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import resource
 import time
 
 from api_load import Connection, Result, cleanup, fixed_rate, seed, wait_ready
-from harness import free_port, loadavg, setup_django, start_server, stop_server, tree_cpu_s
+from harness import free_port, loadavg, server_figures, setup_django, start_server, stop_server, tree_cpu_s
 
 
 def pg_connections() -> int:
@@ -181,12 +180,7 @@ def main() -> None:
     s = seed(tag)
     port = free_port()
     server = start_server(port, args.workers)
-    figures: dict = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared with other work: figures are indicative)",
-        "server": f"uvicorn rlplatform.asgi:application, {args.workers} worker(s)",
-        "quick": args.quick,
-        "loadavg_start": loadavg(),
-    }
+    figures: dict = server_figures(args.workers, args.quick)
     print(f"load average at start: {figures['loadavg_start']} (1/5/15 min, {os.cpu_count()} cores)")
     try:
         wait_ready(port, s.token, s.status_run_id)
