@@ -41,6 +41,7 @@ from jobs.handler import Conflict, InvalidInput
 from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, ConfigVersion, Run
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import audit
+from runtime.contract import LIVE_PARAMS, live_param_problems
 from runtime.spec import SpecError, validate_spec
 
 __all__ = [
@@ -54,8 +55,8 @@ __all__ = [
 ]
 
 RESULT_STATES = (CommandState.DONE.value, CommandState.FAILED.value)
-# Parameters the runtime can change between steps without a restart.
-SAFE_PARAMS = ("pipeline.max_policy_lag", "pipeline.eval_interval", "trainer.lr")
+# Parameters the runtime can change between steps without a restart (set_params): the runtime's list.
+SAFE_PARAMS = LIVE_PARAMS
 REDELIVER_AFTER = datetime.timedelta(seconds=30)
 AUDITED_FIELDS = ("run", "kind", "args", "state", "message")
 
@@ -179,16 +180,9 @@ def _validated_params(run: Run, args: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise InvalidInput.one(f"args.{unknown[0]}", "unknown field")
     params = args.get("params")
-    if not isinstance(params, dict) or not params:
-        raise InvalidInput.one("args.params", f"give at least one of {', '.join(SAFE_PARAMS)}")
-    bad = [key for key in params if key not in SAFE_PARAMS]
-    if bad:
-        raise InvalidInput(
-            [
-                {"field": f"args.params.{key}", "message": f"not a live parameter; allowed: {', '.join(SAFE_PARAMS)}"}
-                for key in bad
-            ]
-        )
+    problems = live_param_problems(params)
+    if problems:
+        raise InvalidInput([{"field": f"args.{p['field']}", "message": p["message"]} for p in problems])
     data = copy.deepcopy(run.resolved_spec)
     for key, value in {**effective_params(run), **params}.items():
         section, name = key.split(".")

@@ -53,17 +53,22 @@ from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform import locks
 from rlplatform.celery import app
 from rlplatform.models import Host
-from runtime.rollout_link import ENDPOINT_FILE  # where the trainer tells rollout roles its address
+from runtime.contract import (
+    ENDPOINT_FILE,
+    EVALUATOR_ROLE,
+    EXIT_BAD_INPUT,
+    ROLLOUT_PREFIX,
+    TRAINER_PREFIX,
+    TRAINER_ROLE,
+    batch_body,
+    spool_dir,
+    undelivered,
+)
 
 logger = logging.getLogger(__name__)
 
-TRAINER = "trainer-0"
-TRAINER_PREFIX = "trainer-"  # + index: trainer-0 (the leader), then the trainer ranks on further hosts
-ROLLOUT_PREFIX = "rollout-"  # + index: the remote rollout roles
-EVALUATOR = "evaluator"  # the remote evaluator's role (resources.remote_evaluator)
 LAUNCH_TASK = "jobs.tasks.launch_runs"
 START_TASK = "jobs.tasks.start_role"
-EXIT_BAD_INPUT = 2  # runtime/__main__.py: bad input found before any work started
 PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
 SPOOL_REPLAY_BATCH = 500  # records per stored batch when the platform replays an ended role's spool
 
@@ -84,7 +89,7 @@ def is_rollout(name: str) -> bool:
 
 def connects_to_trainer(name: str) -> bool:
     """A remote rollout role or the evaluator: it serves trainer-0 over the link, while the run goes on."""
-    return is_rollout(name) or name == EVALUATOR
+    return is_rollout(name) or name == EVALUATOR_ROLE
 
 
 def is_trainer(name: str) -> bool:
@@ -116,7 +121,7 @@ def role_names(run: Run) -> list[str]:
     placed = placed_roles(run)
     if isinstance(placed, str):
         rollouts = [f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run))]
-        return [TRAINER, *rollouts, *([EVALUATOR] if remote_evaluator(run) else [])]
+        return [TRAINER_ROLE, *rollouts, *([EVALUATOR_ROLE] if remote_evaluator(run) else [])]
     return list(placed)
 
 
@@ -230,7 +235,7 @@ def _place_roles(run: Run, devices: list[tuple[int, int]]) -> dict[str, tuple[in
     trainer, others = split
     placed = {f"{TRAINER_PREFIX}{i}": (host_id, indices) for i, (host_id, indices) in enumerate(trainer)}
     names = [f"{ROLLOUT_PREFIX}{i}" for i in range(remote_rollout_workers(run))]
-    names += [EVALUATOR] if remote_evaluator(run) else []
+    names += [EVALUATOR_ROLE] if remote_evaluator(run) else []
     for name, (host_id, index) in zip(names, others, strict=True):
         placed[name] = (host_id, [index])
     return placed
@@ -254,7 +259,7 @@ def trainer_ranks(placed: dict[str, tuple[int, list[int]]], resources: dict[str,
     ranks, first = {}, 0
     for name, (_host, indices) in placed.items():
         if is_trainer(name):
-            count = len(indices) - (extras if name == TRAINER else 0)
+            count = len(indices) - (extras if name == TRAINER_ROLE else 0)
             ranks[name] = range(first, first + count)
             first += count
     return ranks
@@ -399,11 +404,9 @@ def replay_spool(role_id: int, attempt: int) -> int:
     """Store what the ended attempt's reporter could not deliver (the platform was unreachable when it
     exited): its spool lies in the run directory. Idempotent like any replay; returns the records read."""
     from jobs.ingest import handler as ingest
-    from runtime.reporting_http import batch_body, undelivered
-    from runtime.role import spool_dir
 
     role = RunRole.objects.filter(pk=role_id).values("run_id", "name", "workdir").first()
-    if role is None or role["name"] != TRAINER:
+    if role is None or role["name"] != TRAINER_ROLE:
         return 0  # only the trainer reports through a spool (rollout roles send heartbeats alone)
     records = undelivered(spool_dir(Path(role["workdir"]), attempt))
     token = (
@@ -449,7 +452,7 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return _decide_rollout(role, run, exit_code, error, why)
     if role.stop_requested:  # stopped because another trainer role failed: they restart together
         return _trainer_stopped(run)
-    if exit_code == 0 and role.name != TRAINER:  # trainer-0 ended the run and released its ranks here
+    if exit_code == 0 and role.name != TRAINER_ROLE:  # trainer-0 ended the run and released its ranks here
         record_event(run.pk, "role_done", {"role": role.name, "attempt": role.attempt})
         return "done"
     if exit_code == 0:
@@ -494,7 +497,7 @@ def _decide(role: RunRole, run: Run, exit_code: int | None, log_tail: str, error
         return "requeued"
     live = [other for other in others if other.state != R.EXITED]
     if not live:
-        return _restart_trainers(run, f"{role.name}: {what}" if role.name != TRAINER else what)
+        return _restart_trainers(run, f"{role.name}: {what}" if role.name != TRAINER_ROLE else what)
     for other in live:  # their supervisors stop them; the last one's end restarts them all
         other.stop_requested = True
         other.save(update_fields=["stop_requested"])
@@ -519,7 +522,7 @@ def _trainer_stopped(run: Run) -> str:
         return "stopped"
     failed = [role for role in group if not role.stop_requested]
     why = f"{failed[0].name}: {failed[0].message}" if failed else "a trainer role failed"
-    return _restart_trainers(run, why.removeprefix(f"{TRAINER}: "))
+    return _restart_trainers(run, why.removeprefix(f"{TRAINER_ROLE}: "))
 
 
 def _restart_trainers(run: Run, what: str) -> str:

@@ -67,6 +67,22 @@ from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform import shutdown
 from rlplatform.agent import config_from_env
 from rlplatform.models import Host
+from runtime.contract import (
+    ENV_ATTEMPT,
+    ENV_HEARTBEAT_S,
+    ENV_HOST_ADDRESS,
+    ENV_HOST_NAME,
+    ENV_LOCAL_RANKS,
+    ENV_PLATFORM_URL,
+    ENV_RANKS,
+    ENV_ROLE,
+    ENV_ROLLOUT_KEY,
+    ENV_RUN_ID,
+    ENV_RUN_TOKEN,
+    EVALUATOR_ROLE,
+    EXIT_BAD_INPUT,
+    TRAINER_ROLE,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,23 +155,25 @@ def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
 def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(WITHHELD_ENV_PREFIXES)}
     env.update(
-        TANDEM_PLATFORM_URL=settings.TANDEM_PLATFORM_URL,
-        TANDEM_RUN_TOKEN=token,
-        TANDEM_RUN_ID=str(run.pk),
-        TANDEM_ATTEMPT=str(role.attempt),
-        TANDEM_ROLE=role.name,
-        TANDEM_HOST_NAME=role.host.name,
-        TANDEM_HEARTBEAT_S=f"{settings.TANDEM_ROLE_HEARTBEAT_S:g}",
-        MASTER_ADDR=role.host.address or "127.0.0.1",
-        MASTER_PORT=str(29500 + run.pk % 10000),
-        PYTHONUNBUFFERED="1",
+        {
+            ENV_PLATFORM_URL: settings.TANDEM_PLATFORM_URL,
+            ENV_RUN_TOKEN: token,
+            ENV_RUN_ID: str(run.pk),
+            ENV_ATTEMPT: str(role.attempt),
+            ENV_ROLE: role.name,
+            ENV_HOST_NAME: role.host.name,
+            ENV_HEARTBEAT_S: f"{settings.TANDEM_ROLE_HEARTBEAT_S:g}",
+            "MASTER_ADDR": role.host.address or "127.0.0.1",
+            "MASTER_PORT": str(29500 + run.pk % 10000),
+            "PYTHONUNBUFFERED": "1",
+        }
     )
     if launch.is_trainer(role.name):
         env.update(_trainer_group_env(run, role))
     # The trainer advertises this address to the remote rollout roles (its endpoint file).
-    env["TANDEM_HOST_ADDRESS"] = role.host.address or role.host.name
+    env[ENV_HOST_ADDRESS] = role.host.address or role.host.name
     if launch.uses_link(run):
-        env["TANDEM_ROLLOUT_KEY"] = rollout_key(run.pk)
+        env[ENV_ROLLOUT_KEY] = rollout_key(run.pk)
     variable = VISIBILITY_VARIABLE.get(role.host.group.kind)
     if variable:
         env[variable] = ",".join(str(i) for i in role.device_indices)
@@ -171,8 +189,8 @@ def _trainer_group_env(run: Run, role: RunRole) -> dict[str, str]:
     if len(ranks) < 2:
         return {}  # all of them in trainer-0's process group on its host
     mine = ranks[role.name]
-    leader = Host.objects.get(pk=placed[launch.TRAINER][0])
-    variable = "TANDEM_LOCAL_RANKS" if role.name == launch.TRAINER else "TANDEM_RANKS"
+    leader = Host.objects.get(pk=placed[TRAINER_ROLE][0])
+    variable = ENV_LOCAL_RANKS if role.name == TRAINER_ROLE else ENV_RANKS
     return {variable: f"{mine.start}-{mine.stop - 1}", "MASTER_ADDR": leader.address or leader.name}
 
 
@@ -190,9 +208,9 @@ def role_command(spec_path: Path, workdir: str, kind: str = "trainer") -> list[s
 def _command(role: RunRole, spec_path: Path) -> list[str]:
     if launch.is_rollout(role.name):
         return role_command(spec_path, role.workdir, "rollout")
-    if role.name == launch.EVALUATOR:
+    if role.name == EVALUATOR_ROLE:
         return role_command(spec_path, role.workdir, "evaluator")
-    if role.name != launch.TRAINER:  # trainer ranks on a further host
+    if role.name != TRAINER_ROLE:  # trainer ranks on a further host
         return role_command(spec_path, role.workdir, "trainer-ranks")
     return role_command(spec_path, role.workdir)  # two arguments: tests/launch/test_supervisor.py stands in for it
 
@@ -224,7 +242,7 @@ def start_role(role_id: int, attempt: int) -> str:
     refused = confinement.refused_spec_paths(run.experiment.team, run.resolved_spec, run.parent_checkpoint)
     if refused:
         why = "; ".join(f"{error['field']}: {error['message']}" for error in refused)
-        launch.role_exited(role.pk, attempt, launch.EXIT_BAD_INPUT, f"error: {why}\n")
+        launch.role_exited(role.pk, attempt, EXIT_BAD_INPUT, f"error: {why}\n")
         return "refused"
     directory = launch.role_dir(role)
     try:

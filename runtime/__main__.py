@@ -31,10 +31,8 @@ from typing import Any
 
 import yaml
 
+from runtime.contract import EXIT_BAD_INPUT, EXIT_FAILED
 from runtime.spec import RunSpec, SpecError, load_spec
-
-EXIT_BAD_INPUT = 2
-EXIT_FAILED = 1
 
 
 class UsageError(Exception):

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.control import KINDS, Control, Directive
-from runtime.metrics import end_of_last_line
+from runtime.contract import COMMAND_RESULT_PATH, RUNTIME_COMMANDS, end_of_last_line
+from runtime.control import Control, Directive
 from runtime.reporting_http import JsonPoster, PostError
 
-RESULT_PATH = "/api/ingest/command_result"
 # The platform acts on what was reported when these are acknowledged (rewinds after the checkpoint's
 # step; completes or requeues the run with its final checkpoint): flush the reporter first.
 FLUSH_BEFORE_ACK = ("rollback", "stop", "preempt")
@@ -187,7 +186,7 @@ class Acknowledger:
             return False
         body = {"command": ack.command, "state": ack.state, "message": ack.message}
         try:
-            reply = self._poster.post(RESULT_PATH, body)
+            reply = self._poster.post(COMMAND_RESULT_PATH, body)
         except PostError as exc:
             if exc.status in ACK_GIVE_UP:
                 _log(f"command {ack.command}: the platform refused its result ({exc}); giving up")
@@ -232,7 +231,7 @@ class CommandDesk:
             # Flushed first like the original (a rollback's may still be on its way, the pipeline waiting on it).
             self.acks.put(Ack(cid, state, message, flush_first=state == "done" and kind in FLUSH_BEFORE_ACK))
             return
-        if cid in self._active or kind not in KINDS:
+        if cid in self._active or kind not in RUNTIME_COMMANDS:
             return  # in progress, or not the runtime's (e.g. fork, which the platform completes itself)
         directive = Directive(cid, str(kind), args if isinstance(args, dict) else {})
         if self._ended:

@@ -20,7 +20,7 @@ Directive kinds and their ``args``:
     preempt     --                 as stop (the platform then requeues the run instead of completing it)
     cancel      --                 the run ends at once, no checkpoint
     rollback    {path, step, ...}  restore the full state of one of the run's own checkpoints
-    set_params  {params: {...}}    change live parameters (``LIVE_PARAMS``)
+    set_params  {params: {...}}    change live parameters (``runtime.contract.LIVE_PARAMS``)
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("pause", "resume", "stop", "preempt", "cancel", "rollback", "set_params")
-# What a run may change between two steps without a restart (the platform's jobs.commands.SAFE_PARAMS).
-LIVE_PARAMS = ("pipeline.max_policy_lag", "pipeline.eval_interval", "trainer.lr")
+from runtime.contract import RUNTIME_COMMANDS
 
 
 @dataclass
@@ -60,8 +58,8 @@ class Control:
 
     # ---- the controller's side ----------------------------------------------------------
     def submit(self, directive: Directive) -> None:
-        if directive.kind not in KINDS:
-            raise ValueError(f"kind: {directive.kind!r} is not one of {', '.join(KINDS)}")
+        if directive.kind not in RUNTIME_COMMANDS:
+            raise ValueError(f"kind: {directive.kind!r} is not one of {', '.join(RUNTIME_COMMANDS)}")
         with self._cond:
             self._pending.append(directive)
             self._cond.notify_all()

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
+from runtime.contract import EVALUATOR_ROLE
 from runtime.rollout_link import RemotePeer, WeightBlobs, decode_weights, shutdown_socket, spec_digest
-
-ROLE = "evaluator"  # the hello's "role", and the platform role's name
 
 Request = tuple[int, int, int, dict[str, torch.Tensor]]  # (request id, step, version, weights)
 
@@ -177,7 +176,7 @@ class EvaluatorProcess:
         self.engine = build_engine(policy, self.tokenizer, self.device, spec)
         self.task = build_task(spec)
         self.prompts = self.task.eval_prompts()
-        self.hello = {"role": ROLE, "pid": os.getpid(), "host": socket.gethostname(), "digest": spec_digest(spec)}
+        self.hello = {"role": EVALUATOR_ROLE, "pid": os.getpid(), "host": socket.gethostname(), "digest": spec_digest(spec)}
 
     def serve(self, endpoint_path: Path, key: bytes | None, status: Callable[[str], None] = lambda s: None) -> int:
         """Serve trainers until the run ends (0) or none is found for ``rollout_reconnect_s`` (3)."""
@@ -218,4 +217,4 @@ class EvaluatorProcess:
             conn.close()
 
 
-__all__ = ["ROLE", "EvaluatorProcess", "RemoteEvaluator", "require_remote"]
+__all__ = ["EvaluatorProcess", "RemoteEvaluator", "require_remote"]

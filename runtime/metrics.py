@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from runtime.contract import end_of_last_line
+
 # --------------------------------------------------------------------------- names
 
 REWARD_MEAN = "reward/mean"
@@ -318,25 +320,6 @@ class JsonlReporter:
     def _write(self, record: Mapping[str, Any]) -> None:
         self._fh.write(json.dumps(record, allow_nan=False).encode() + b"\n")
         self._fh.flush()
-
-
-def line_start(fh: Any, pos: int) -> int:
-    """Offset just after the last newline before byte ``pos`` of a binary file (0 if none)."""
-    while pos > 0:
-        step = min(4096, pos)
-        fh.seek(pos - step)
-        chunk = fh.read(step)
-        idx = chunk.rfind(b"\n")
-        if idx >= 0:
-            return pos - step + idx + 1
-        pos -= step
-    return 0
-
-
-def end_of_last_line(path: Path) -> int:
-    """Offset just after the last newline (0 if none)."""
-    with open(path, "rb") as fh:
-        return line_start(fh, fh.seek(0, os.SEEK_END))
 
 
 def _truncate(path: Path, size: int) -> None:

@@ -52,7 +52,8 @@ from typing import Any, Protocol
 import yaml
 
 from runtime import metrics as M
-from runtime.control import LIVE_PARAMS, Control, Directive
+from runtime.contract import live_param_problems
+from runtime.control import Control, Directive
 from runtime.evaluator import evaluate
 from runtime.roles import (
     PromptSource,
@@ -433,24 +434,22 @@ class RunContext:
         from pydantic import ValidationError
 
         params = args.get("params")
-        if not isinstance(params, dict) or not params:
-            return False, "args.params: expected a non-empty mapping of parameter -> value"
+        problems = live_param_problems(params)
+        if problems:
+            return False, "; ".join(f"args.{p['field']}: {p['message']}" for p in problems)
         trial = self.spec.model_copy(deep=True)
         for key, value in params.items():
-            if key not in LIVE_PARAMS:
-                return False, f"{key}: not a live parameter (one of {', '.join(LIVE_PARAMS)})"
+            # the kind first: a directive may come from any controller, not only the platform's checked ones
             if key == "trainer.lr":
                 if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                    return False, f"{key}: must be a number > 0, got {value!r}"
-                if value <= 0:
-                    return False, f"{key}: must be > 0, got {value!r}"
+                    return False, f"args.params.{key}: must be a number > 0, got {value!r}"
             elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                return False, f"{key}: must be an integer >= 0, got {value!r}"
+                return False, f"args.params.{key}: must be an integer >= 0, got {value!r}"
             section, name = key.split(".")
             try:  # the spec's own bounds (validate_assignment)
                 setattr(getattr(trial, section), name, value)
             except ValidationError as exc:
-                return False, f"{key}: {exc.errors()[0]['msg']}"
+                return False, f"args.params.{key}: {exc.errors()[0]['msg']}"
         for key, value in params.items():
             section, name = key.split(".")
             setattr(getattr(self.spec, section), name, value)

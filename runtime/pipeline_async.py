@@ -25,14 +25,23 @@ from typing import Any, cast
 import torch
 
 from runtime import metrics as M
+from runtime.contract import ENDPOINT_FILE, EVALUATOR_ROLE
 from runtime.evaluator import BackgroundEvaluator
-from runtime.evaluator_remote import ROLE as EVALUATOR_ROLE
 from runtime.evaluator_remote import RemoteEvaluator
 from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
 from runtime.queue import QueueClosed, SampleQueue
 from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
 from runtime.rollout_instance import rollout_process, shm_prefix
-from runtime.rollout_link import WeightBlobs
+from runtime.rollout_link import (
+    Endpoint,
+    RemotePeer,
+    RolloutListener,
+    WeightBlobs,
+    advertised_address,
+    env_key,
+    spec_digest,
+    write_endpoint,
+)
 from runtime.samples import Sample
 from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler, LengthPredictor
 from runtime.transfer import ShmCourier, sweep
@@ -320,16 +329,6 @@ class AsyncMode:
         """Accept remote instances; their endpoint goes to the output directory (shared with their hosts)."""
         import secrets
 
-        from runtime.rollout_link import (
-            ENDPOINT_FILE,
-            Endpoint,
-            RolloutListener,
-            advertised_address,
-            env_key,
-            spec_digest,
-            write_endpoint,
-        )
-
         key = env_key()
         drawn = key is None  # standalone: draw one; the endpoint file (mode 0600) carries it
         if key is None:
@@ -352,8 +351,6 @@ class AsyncMode:
 
     def admit(self, conn: Any, hello: dict[str, Any]) -> tuple[str, bool] | None:
         """A remote instance said hello (listener thread): refuse it with (reason, retry later?), or take it."""
-        from runtime.rollout_link import RemotePeer, spec_digest
-
         spec = self.ctx.spec
         r = spec.resources
         if hello.get("role") == EVALUATOR_ROLE:
@@ -641,8 +638,6 @@ class AsyncMode:
             self.closing = True
             slots = list(st.slots)
         if self.listener is not None:
-            from runtime.rollout_link import ENDPOINT_FILE, write_endpoint
-
             self.listener.close()
             if ended:
                 write_endpoint(self.ctx.out_dir / ENDPOINT_FILE, None)

@@ -41,11 +41,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.metrics import ReporterError, clean_metrics, end_of_last_line, line_start, plain_json
+from runtime.contract import CURSOR_FILE, METRICS_PATH, SPOOL_FILE, batch_body, end_of_last_line, line_start
+from runtime.metrics import ReporterError, clean_metrics, plain_json
 
-SPOOL_FILE = "spool.jsonl"
-CURSOR_FILE = "cursor.json"
-DEFAULT_PATH = "/api/ingest/metrics"
 REFUSED_STATUSES = (401, 403)  # the token is no good (any more): retrying cannot help
 
 
@@ -94,35 +92,6 @@ class JsonPoster:
             return None
 
 
-def batch_body(records: list[dict[str, Any]], run: str, attempt: int, role: str) -> dict[str, Any]:
-    """The ingest body for spooled ``records`` (points carry ``step``, events ``kind``)."""
-    return {
-        "run": run,
-        "attempt": attempt,
-        "role": role,
-        "points": [r for r in records if "step" in r],
-        "events": [r for r in records if "kind" in r],
-    }
-
-
-def undelivered(spool_dir: str | Path) -> list[dict[str, Any]]:
-    """What a reporter's spool still holds undelivered, read only (nothing moves): for a supervisor that
-    replays the spool of a process that ended while the platform was unreachable."""
-    spool, cursor = Path(spool_dir) / SPOOL_FILE, Path(spool_dir) / CURSOR_FILE
-    if not spool.exists():
-        return []
-    try:
-        offset = int(json.loads(cursor.read_text())["offset"]) if cursor.exists() else 0
-    except (ValueError, KeyError, TypeError):
-        offset = 0  # resending is safe (idempotent keys), skipping is not
-    size = end_of_last_line(spool)
-    if offset > size:
-        offset = 0
-    with open(spool, "rb") as fh:
-        fh.seek(offset)
-        return [json.loads(line) for line in fh.read(size - offset).splitlines() if line.strip()]
-
-
 class HttpReporter:
     """A :class:`runtime.metrics.Reporter` that delivers to the platform over HTTP.
 
@@ -144,7 +113,7 @@ class HttpReporter:
         run: str = "",
         attempt: int = 0,
         role: str = "",
-        path: str = DEFAULT_PATH,
+        path: str = METRICS_PATH,
         batch_size: int = 500,
         min_interval_s: float = 1.0,
         backoff_s: float = 0.5,

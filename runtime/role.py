@@ -33,18 +33,31 @@ from typing import Any
 
 from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl, RoleInputError
 from runtime.command_desk import role_log as _log
+from runtime.contract import (
+    COMMANDS_FILE,
+    ENDPOINT_FILE,
+    ENV_ATTEMPT,
+    ENV_HEARTBEAT_S,
+    ENV_HOST_NAME,
+    ENV_PLATFORM_URL,
+    ENV_RANKS,
+    ENV_ROLE,
+    ENV_RUN_ID,
+    ENV_RUN_TOKEN,
+    HEARTBEAT_PATH,
+    MAX_ROLE_NAME,
+    ROLE_KINDS,
+    SPOOL_DIR,
+    SPOOL_FILE,
+    TOKEN_FILE,
+    TRAINER_ROLE,
+    spool_dir,
+)
 from runtime.control import Directive
-from runtime.reporting_http import SPOOL_FILE, HttpReporter, JsonPoster, PostError
+from runtime.reporting_http import HttpReporter, JsonPoster, PostError
 from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
 
-ROLES = ("trainer", "trainer-ranks", "rollout", "evaluator")
-COMMANDS_FILE = "commands.jsonl"
-SPOOL_DIR = "spool"
-TOKEN_FILE = "token"
-HEARTBEAT_PATH = "/api/ingest/heartbeat"
-DEFAULT_ROLE = "trainer-0"
 DEFAULT_HEARTBEAT_S = 5.0
-MAX_ROLE_NAME = 100  # the platform's limit on a role name
 DRAIN_S = 60.0  # at most this long for older attempts' spools before the new attempt reports
 ACK_DRAIN_S = 30.0  # at most this long for acknowledgements still owed when the run has ended
 TERM_GRACE_S = 30.0  # after SIGTERM, cleanup gets this long before the process exits regardless
@@ -90,8 +103,8 @@ def parse_args(argv: list[str]) -> RoleArgs:
         "--resume", choices=("auto", "never"), default="auto", help="continue from the newest checkpoint"
     )
     ns = parser.parse_args(argv)
-    if ns.role not in ROLES:
-        raise RoleInputError(f"role: {ns.role!r} is not one of {', '.join(ROLES)}")
+    if ns.role not in ROLE_KINDS:
+        raise RoleInputError(f"role: {ns.role!r} is not one of {', '.join(ROLE_KINDS)}")
     workdir = Path(ns.workdir).resolve()
     if workdir.exists() and not workdir.is_dir():
         raise RoleInputError(f"--workdir: {workdir} is not a directory")
@@ -107,31 +120,31 @@ def read_env(environ: Mapping[str, str]) -> RoleEnv:
             raise RoleInputError(f"{name}: required")
         return value
 
-    url = required("TANDEM_PLATFORM_URL")
+    url = required(ENV_PLATFORM_URL)
     try:
         check_http_url(url)
     except ValueError as exc:
-        raise RoleInputError(f"TANDEM_PLATFORM_URL: {exc}") from None
-    token = required("TANDEM_RUN_TOKEN")
-    run_id = required("TANDEM_RUN_ID")
-    attempt_text = required("TANDEM_ATTEMPT")
+        raise RoleInputError(f"{ENV_PLATFORM_URL}: {exc}") from None
+    token = required(ENV_RUN_TOKEN)
+    run_id = required(ENV_RUN_ID)
+    attempt_text = required(ENV_ATTEMPT)
     try:
         attempt = int(attempt_text)
     except ValueError:
         attempt = -1
     if attempt < 0:
-        raise RoleInputError(f"TANDEM_ATTEMPT: must be an integer >= 0, got {attempt_text!r}")
-    role = environ.get("TANDEM_ROLE", "").strip() or DEFAULT_ROLE
+        raise RoleInputError(f"{ENV_ATTEMPT}: must be an integer >= 0, got {attempt_text!r}")
+    role = environ.get(ENV_ROLE, "").strip() or TRAINER_ROLE
     if len(role) > MAX_ROLE_NAME:
-        raise RoleInputError(f"TANDEM_ROLE: at most {MAX_ROLE_NAME} characters")
-    host = environ.get("TANDEM_HOST_NAME", "").strip() or socket.gethostname()
-    period_text = environ.get("TANDEM_HEARTBEAT_S", "").strip()
+        raise RoleInputError(f"{ENV_ROLE}: at most {MAX_ROLE_NAME} characters")
+    host = environ.get(ENV_HOST_NAME, "").strip() or socket.gethostname()
+    period_text = environ.get(ENV_HEARTBEAT_S, "").strip()
     try:
         period = float(period_text) if period_text else DEFAULT_HEARTBEAT_S
     except ValueError:
         period = -1.0
     if not (math.isfinite(period) and period > 0):
-        raise RoleInputError(f"TANDEM_HEARTBEAT_S: must be a number of seconds > 0, got {period_text!r}")
+        raise RoleInputError(f"{ENV_HEARTBEAT_S}: must be a number of seconds > 0, got {period_text!r}")
     return RoleEnv(url.rstrip("/"), token, run_id, attempt, role, host, period)
 
 
@@ -244,10 +257,6 @@ class Heartbeat:
 
 
 # ---------------------------------------------------------------------------------- spools
-
-
-def spool_dir(workdir: Path, attempt: int) -> Path:
-    return workdir / SPOOL_DIR / f"attempt-{attempt}"
 
 
 def save_token(directory: Path, token: str) -> None:
@@ -466,14 +475,14 @@ def rollout_index(role: str) -> int:
     """``rollout-<i>`` -> i (which remote rollout instance of the run this role is)."""
     match = re.fullmatch(r"rollout-(\d+)", role)
     if match is None:
-        raise RoleInputError(f"TANDEM_ROLE: a rollout role is named rollout-<index>, got {role!r}")
+        raise RoleInputError(f"{ENV_ROLE}: a rollout role is named rollout-<index>, got {role!r}")
     return int(match.group(1))
 
 
 def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
     """One attempt of a remote rollout instance (runtime.rollout_remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
-    from runtime.rollout_link import ENDPOINT_FILE, env_key
+    from runtime.rollout_link import env_key
     from runtime.rollout_remote import RemoteInstance, RolloutRefused
 
     index = rollout_index(env.role)
@@ -492,7 +501,7 @@ def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
     """One attempt of the remote evaluator (runtime.evaluator_remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
     from runtime.evaluator_remote import EvaluatorProcess, require_remote
-    from runtime.rollout_link import ENDPOINT_FILE, env_key
+    from runtime.rollout_link import env_key
     from runtime.rollout_remote import RolloutRefused
 
     try:
@@ -509,22 +518,19 @@ def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
     return _beside_the_trainer(env, work)
 
 
-RANKS_ENV = "TANDEM_RANKS"
-
-
 def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
     """The ranks a further trainer role runs, from ``TANDEM_RANKS`` (``first-last``, rank 0 excluded)."""
     from runtime.trainer_group import TrainerGroupError, parse_ranks
 
-    text = environ.get(RANKS_ENV, "").strip()
+    text = environ.get(ENV_RANKS, "").strip()
     if not text:
-        raise RoleInputError(f"{RANKS_ENV}: required (the trainer ranks this host runs, first-last)")
+        raise RoleInputError(f"{ENV_RANKS}: required (the trainer ranks this host runs, first-last)")
     try:
-        ranks = parse_ranks(text, spec.resources.trainer_devices, RANKS_ENV)
+        ranks = parse_ranks(text, spec.resources.trainer_devices, ENV_RANKS)
     except TrainerGroupError as exc:
         raise RoleInputError(str(exc)) from None
     if ranks.start == 0:
-        raise RoleInputError(f"{RANKS_ENV}: {text!r} includes rank 0, which is trainer-0's")
+        raise RoleInputError(f"{ENV_RANKS}: {text!r} includes rank 0, which is trainer-0's")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not environ.get(name, "").strip():
             raise RoleInputError(f"{name}: required (trainer-0's rendezvous)")

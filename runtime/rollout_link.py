@@ -45,12 +45,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.contract import ENV_HOST_ADDRESS, ENV_ROLLOUT_KEY
+
 if TYPE_CHECKING:  # torch is only needed by the functions that (de)serialise weights: the platform
     import torch  # imports this module for its file names without loading torch
 
-ENDPOINT_FILE = "rollout-endpoint.json"
-KEY_ENV = "TANDEM_ROLLOUT_KEY"
-ADDRESS_ENV = "TANDEM_HOST_ADDRESS"
 HANDSHAKE_S = 10.0  # a peer that does not answer the challenge in this long is dropped
 MAX_HANDSHAKES = 32  # connections authenticating at once; more are closed at once (a flood costs no threads)
 MAX_PROOF = 64  # bytes of a challenge or an answer: nothing longer is read before authentication
@@ -76,7 +75,7 @@ class Refused(LinkError):
 
 
 def env_key(environ: Any = os.environ) -> bytes | None:
-    value = environ.get(KEY_ENV, "").strip()
+    value = environ.get(ENV_ROLLOUT_KEY, "").strip()
     return value.encode() if value else None
 
 
@@ -126,7 +125,7 @@ def read_endpoint(path: Path) -> Endpoint | None | str:
 def advertised_address(bind_host: str, environ: Any = os.environ) -> str:
     """The address remote instances connect to: ``TANDEM_HOST_ADDRESS``, else the bind address unless it
     is a wildcard, else this host's name."""
-    value = environ.get(ADDRESS_ENV, "").strip()
+    value = environ.get(ENV_HOST_ADDRESS, "").strip()
     if value:
         return value
     if bind_host not in ("0.0.0.0", "::", ""):

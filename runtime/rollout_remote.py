@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
+from runtime.contract import ENDPOINT_FILE, ENV_ROLLOUT_KEY, EXIT_NO_TRAINER
 from runtime.roles import EPOCH, STOP
 from runtime.rollout_link import (
-    ENDPOINT_FILE,
-    KEY_ENV,
     Endpoint,
     LinkError,
     Refused,
@@ -42,7 +41,6 @@ from runtime.rollout_link import (
     spec_digest,
 )
 
-EXIT_NO_TRAINER = 3
 RETRY_S = 1.0  # between looks at the endpoint file while there is no trainer to talk to
 
 
@@ -224,7 +222,7 @@ def serve_trainers(
         if isinstance(endpoint, Endpoint):
             use_key = key or endpoint.key
             if use_key is None:
-                raise RolloutRefused(f"{KEY_ENV}: not set, and {endpoint_path} carries no key")
+                raise RolloutRefused(f"{ENV_ROLLOUT_KEY}: not set, and {endpoint_path} carries no key")
             try:
                 conn, welcome = connect(endpoint, use_key, hello)
             except Refused as exc:
@@ -256,4 +254,4 @@ def endpoint_path(spec: Any, given: str | None = None) -> Path:
     return Path(given) if given else spec.resolved_output_dir() / ENDPOINT_FILE
 
 
-__all__ = ["EXIT_NO_TRAINER", "NetSubscriber", "RemoteInstance", "RolloutRefused", "endpoint_path", "serve_trainers"]
+__all__ = ["NetSubscriber", "RemoteInstance", "RolloutRefused", "endpoint_path", "serve_trainers"]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.contract import ENV_LOCAL_RANKS
 from runtime.samples import Sample
 
 
@@ -46,7 +47,6 @@ class TrainerGroupError(RuntimeError):
     """A trainer rank failed or cannot be reached."""
 
 
-LOCAL_RANKS_ENV = "TANDEM_LOCAL_RANKS"
 
 
 def parse_ranks(text: str, world: int, what: str) -> range:
@@ -64,15 +64,15 @@ def parse_ranks(text: str, world: int, what: str) -> range:
 def local_ranks(world: int, environ: Any = os.environ) -> range:
     """The ranks the leader's host runs (``TANDEM_LOCAL_RANKS``; default all). They include rank 0, and
     ranks beyond them need a rendezvous every host reaches (``MASTER_ADDR`` / ``MASTER_PORT``)."""
-    text = environ.get(LOCAL_RANKS_ENV, "").strip()
+    text = environ.get(ENV_LOCAL_RANKS, "").strip()
     if not text:
         return range(world)
-    ranks = parse_ranks(text, world, LOCAL_RANKS_ENV)
+    ranks = parse_ranks(text, world, ENV_LOCAL_RANKS)
     if ranks.start != 0:
-        raise TrainerGroupError(f"{LOCAL_RANKS_ENV}: {text!r} must include rank 0, the leader")
+        raise TrainerGroupError(f"{ENV_LOCAL_RANKS}: {text!r} must include rank 0, the leader")
     if len(ranks) < world and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
         raise TrainerGroupError(
-            f"{LOCAL_RANKS_ENV}={text}: ranks on other hosts need MASTER_ADDR and MASTER_PORT (the rendezvous)"
+            f"{ENV_LOCAL_RANKS}={text}: ranks on other hosts need MASTER_ADDR and MASTER_PORT (the rendezvous)"
         )
     return ranks
 

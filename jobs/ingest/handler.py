@@ -25,9 +25,9 @@ from django.utils import timezone
 
 from jobs import commands, confinement, series_store, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
-from jobs.launch import TRAINER  # the one role whose heartbeats take commands
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
+from runtime.contract import TRAINER_ROLE  # the one role whose heartbeats take commands
 
 MAX_POINTS = 10_000  # per batch; the reporter sends 500
 MAX_METRICS_PER_POINT = 1_000
@@ -465,7 +465,7 @@ def heartbeat(token: RunToken, body: Any) -> dict[str, Any]:
                 _mark_running(token.run_id)
         # Only the trainer applies commands: delivering one to another role (a remote rollout instance,
         # which ignores them) would mark it delivered, and the trainer would not see it until redelivery.
-        delivered = commands.deliver(token.run_id) if role == TRAINER else []
+        delivered = commands.deliver(token.run_id) if role == TRAINER_ROLE else []
     return {"commands": delivered}
 
 

@@ -23,9 +23,9 @@ from jobs.ingest.tokens import mint_run_token
 from jobs.models import CheckpointRecord, Command, MetricPoint, RoleHeartbeat, RunEvent, RunStreamEntry
 from jobs.states import RunState
 from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl
+from runtime.contract import HEARTBEAT_PATH
 from runtime.metrics import read_jsonl
 from runtime.reporting_http import HttpReporter, JsonPoster
-from runtime.role import HEARTBEAT_PATH
 from tests.ingest.helpers import Proxy
 
 pytestmark = pytest.mark.django_db(transaction=True)

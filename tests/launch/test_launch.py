@@ -269,8 +269,8 @@ def test_what_an_ended_role_could_not_deliver_is_stored_from_its_spool(launched)
     from pathlib import Path
 
     from jobs.ingest.tokens import mint_run_token
+    from runtime.contract import spool_dir
     from runtime.reporting_http import HttpReporter
-    from runtime.role import spool_dir
 
     run, role = launched()
     handler.transition(run, RunState.RUNNING)

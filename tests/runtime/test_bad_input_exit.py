@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.__main__ import EXIT_BAD_INPUT
+from runtime.contract import EXIT_BAD_INPUT
 from runtime.models import build_policy, save_hf
 from runtime.spec import load_spec
 from tests.runtime.helpers import TINY

@@ -216,20 +216,20 @@ def test_set_params_keeps_the_warmup_schedule_on_the_new_base_rate(tmp_path):
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"trainer.lr": -1}, "trainer.lr: must be > 0, got -1"),
-        ({"trainer.lr": "fast"}, "trainer.lr: must be a number > 0, got 'fast'"),
-        ({"trainer.lr": float("nan")}, "trainer.lr: must be a number > 0, got nan"),
+        ({"trainer.lr": -1}, "args.params.trainer.lr: Input should be greater than 0"),
+        ({"trainer.lr": "fast"}, "args.params.trainer.lr: must be a number > 0, got 'fast'"),
+        ({"trainer.lr": float("nan")}, "args.params.trainer.lr: must be a number > 0, got nan"),
         (
             {"pipeline.eval_interval": 2, "pipeline.max_policy_lag": -1},
-            "pipeline.max_policy_lag: must be an integer >= 0, got -1",
+            "args.params.pipeline.max_policy_lag: must be an integer >= 0, got -1",
         ),
-        ({"pipeline.max_policy_lag": 1001}, "pipeline.max_policy_lag: Input should be less than or equal to 1000"),
+        ({"pipeline.max_policy_lag": 1001}, "args.params.pipeline.max_policy_lag: Input should be less than or equal to 1000"),
         (
             {"trainer.lr": 0.1, "pipeline.eval_interval": True},
-            "pipeline.eval_interval: must be an integer >= 0, got True",
+            "args.params.pipeline.eval_interval: must be an integer >= 0, got True",
         ),
-        ({"trainer.lr": 0.1, "algorithm.group_size": 2}, "algorithm.group_size: not a live parameter"),
-        ({}, "args.params: expected a non-empty mapping"),
+        ({"trainer.lr": 0.1, "algorithm.group_size": 2}, "args.params.algorithm.group_size: not a live parameter"),
+        ({}, "args.params: give at least one of"),
     ],
 )
 def test_bad_set_params_fail_naming_the_key_and_change_nothing(tmp_path, params, message):

@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from runtime.contract import SPOOL_FILE
 from runtime.metrics import ReporterError
-from runtime.reporting_http import SPOOL_FILE, HttpReporter
+from runtime.reporting_http import HttpReporter
 
 TOKEN = "run-token-123"
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from runtime.__main__ import main
-from runtime.role import DEFAULT_HEARTBEAT_S, DEFAULT_ROLE, RoleInputError, read_env
+from runtime.contract import TRAINER_ROLE
+from runtime.role import DEFAULT_HEARTBEAT_S, RoleInputError, read_env
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD_ENV = {
@@ -180,7 +181,7 @@ def test_defaults_and_the_token_is_read_from_the_environment_only():
     env = read_env({**GOOD_ENV, "TANDEM_PLATFORM_URL": "https://platform.example:8443/"})
     assert env.platform_url == "https://platform.example:8443"
     assert (env.token, env.run_id, env.attempt) == ("tdr_abc_secret", "7", 0)
-    assert (env.role, env.heartbeat_s) == (DEFAULT_ROLE, DEFAULT_HEARTBEAT_S)
+    assert (env.role, env.heartbeat_s) == (TRAINER_ROLE, DEFAULT_HEARTBEAT_S)
     assert env.host  # this machine's name when TANDEM_HOST_NAME is unset
     env = read_env({**GOOD_ENV, "TANDEM_ROLE": "trainer-1", "TANDEM_HOST_NAME": "h7", "TANDEM_HEARTBEAT_S": "0.2"})
     assert (env.role, env.host, env.heartbeat_s) == ("trainer-1", "h7", 0.2)

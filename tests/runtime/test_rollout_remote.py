@@ -24,11 +24,11 @@ import torch
 import yaml
 from safetensors.torch import save as save_weights
 
+from runtime.contract import ENDPOINT_FILE
 from runtime.control import Control
 from runtime.metrics import read_jsonl
 from runtime.pipeline import run
 from runtime.rollout_link import (
-    ENDPOINT_FILE,
     Endpoint,
     LinkError,
     Refused,
