@@ -34,8 +34,9 @@ from django.db.models import F
 from django.db.models.functions import Coalesce, Least
 from django.utils import timezone
 
-from jobs import accounting, placement
+from jobs import placement
 from jobs.models import Allocation, Run
+from jobs.quota_usage import QuotaUsage, usage_by_quota
 from jobs.states import RunState
 from rlplatform import locks
 from rlplatform.models import Device, Host, HostStatus, Quota, ResourceGroup
@@ -60,17 +61,9 @@ def admit_group(group_id: int, now: datetime.datetime | None = None) -> list[int
         return admit_locked(group, quotas, now or timezone.now())
 
 
-def _usage(quotas: dict[int, Quota], now: datetime.datetime) -> dict[int, _Usage]:
-    usage = {quota_id: _Usage() for quota_id in quotas}
-    active_runs = Run.objects.active().filter(experiment__quota_id__in=list(quotas))
-    for quota_id, workers in active_runs.values_list("experiment__quota_id", "rollout_workers"):
-        usage[quota_id].runs += 1
-        usage[quota_id].rollout_workers += workers
-    allocations = Allocation.objects.active().filter(run__experiment__quota_id__in=list(quotas))
-    for quota_id, accounted_until in allocations.values_list("run__experiment__quota_id", "accounted_until"):
-        usage[quota_id].devices += 1
-        usage[quota_id].unaccrued_seconds += accounting.unaccrued_seconds(accounted_until, now)
-    return usage
+def _usage(quotas: dict[int, Quota], now: datetime.datetime) -> dict[int, QuotaUsage]:
+    """Each quota's usage by quota id: jobs.quota_usage's count, the one the quotas page shows too."""
+    return usage_by_quota(quotas.values(), now)
 
 
 def _free_devices(group_id: int) -> tuple[dict[int, list[int]], dict[int, int], dict[int, str | None], int]:

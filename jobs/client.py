@@ -81,17 +81,23 @@ class ClientError(Exception):
 _STATUS_EXIT = {400: EXIT_REJECTED, 401: EXIT_AUTH, 403: EXIT_AUTH, 404: EXIT_NOT_FOUND, 409: EXIT_CONFLICT}
 
 
+# The field of an error about the request as a whole (401, 403, 404, 409, ...): printed as the message alone.
+WHOLE_REQUEST = "request"
+
+
 def format_error_body(body: Any) -> str:
-    """Render an API error body as readable lines (field errors one per line)."""
+    """Render an API error body (``{"errors": [{"field", "message"}, ...]}``) as readable lines, one per error."""
     if isinstance(body, dict) and isinstance(body.get("errors"), list):
         lines = []
         for err in body["errors"]:
-            if isinstance(err, dict):
-                lines.append(f"  {err.get('field', '?')}: {err.get('message', '')}")
-            else:
+            if not isinstance(err, dict):
                 lines.append(f"  {err}")
+            elif err.get("field") == WHOLE_REQUEST:
+                lines.append(f"  {err.get('message', '')}")
+            else:
+                lines.append(f"  {err.get('field', '?')}: {err.get('message', '')}")
         return "\n".join(lines)
-    if isinstance(body, dict) and "detail" in body:
+    if isinstance(body, dict) and "detail" in body:  # a server from before every error had the errors shape
         return f"  {body['detail']}"
     if isinstance(body, dict | list):
         return "  " + json.dumps(body)

@@ -11,7 +11,6 @@ through jobs.handler, as in the API.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -23,19 +22,22 @@ from django.core.paginator import Paginator
 from django.db.models import Count, JSONField, OuterRef, Q, Subquery
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from jobs import commands, handler, stream
+from jobs.api_docs import api_docs_page
+from jobs.config_history import config_history
 from jobs.models import (
     CheckpointRecord,
     Command,
-    ConfigVersion,
     Experiment,
     MetricPoint,
     Run,
     RunEvent,
     RunStreamCounter,
 )
+from jobs.quota_usage import usage_by_quota
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import permissions as perms
 from rlplatform.api import annotate_group_usage
@@ -156,29 +158,20 @@ def _command_row(c: Command) -> dict:
     return {"id": c.pk, "kind": c.kind, "state": c.state, "message": c.message}
 
 
-def _dotted(data, dotted: str):
-    for part in dotted.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
-
-
 def _stream_seq(run: Run) -> int:
     return RunStreamCounter.objects.filter(run=run).values_list("last_seq", flat=True).first() or 0
 
 
-def config_diffs(versions: list[ConfigVersion], base: dict) -> list[dict]:
-    """Each config version with what it changed against the parameters in force before it."""
-    current = dict(base)
-    rows = []
-    for v in versions:
-        changes = [
-            {"param": key, "before": current.get(key), "after": value}
-            for key, value in sorted(v.params.items())
-            if current.get(key) != value
-        ]
-        current.update(v.params)
-        rows.append({"number": v.number, "params": v.params, "changes": changes, "created": v.created_at})
-    return rows
+def _config_rows(run: Run) -> list[dict]:
+    """The run page's config table: each live change (jobs.config_history), newest first."""
+    return [
+        {
+            "number": entry["number"],
+            "changes": [{"param": key, **change} for key, change in sorted(entry["diff"].items())],
+            "created": entry["created_at"],
+        }
+        for entry in reversed(config_history(run)[1:])  # entry 0 is the submitted spec
+    ]
 
 
 # The runs table's "key metrics" (jobs.stream.KEY_METRICS): from each run's newest live point (one
@@ -207,8 +200,6 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
     ]
     can_edit = perms.can_edit(request.user, run.experiment.team_id)
     checkpoints = list(run.checkpoints.order_by("-step", "-pk")[:200])
-    versions = list(ConfigVersion.objects.filter(run=run).order_by("number"))
-    base_params = {key: _dotted(run.resolved_spec, key) for key in commands.SAFE_PARAMS}
     live = {
         "run": run.pk,
         "state": run.state,
@@ -234,7 +225,7 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "roles": run.heartbeats.order_by("role", "-attempt"),
         "events": RunEvent.objects.filter(run=run).order_by("-time", "-pk")[:50],
         "commands": Command.objects.filter(run=run).order_by("-pk")[:20],
-        "configs": list(reversed(config_diffs(versions, base_params))),
+        "configs": _config_rows(run),
         "checkpoints": checkpoints,
         "safe_params": commands.SAFE_PARAMS,
     }
@@ -343,15 +334,17 @@ def cluster(request: HttpRequest) -> HttpResponse:
         group.host_rows = by_group.get(group.pk, [])
         group.used_pct = round(100 * group.devices_used / group.devices_total) if group.devices_total else 0
         group.queue = [r for r in queued if r.experiment.group_id == group.pk]
+    quotas = list(quotas.order_by("team__name", "group__name", "name"))
+    usage = usage_by_quota(quotas, timezone.now())
     budgets = [
         {
             "quota": q,
-            "used": q.device_seconds_used / 3600,
-            "pct": min(round(100 * q.device_seconds_used / 3600 / q.device_hour_budget), 100)
+            "used": usage[q.pk].device_hours,
+            "pct": min(round(100 * usage[q.pk].device_hours / q.device_hour_budget), 100)
             if q.device_hour_budget
             else None,
         }
-        for q in quotas.order_by("team__name", "group__name", "name")
+        for q in quotas
     ]
     return render(request, "jobs/cluster.html", {"groups": groups_, "budgets": budgets})
 
@@ -367,27 +360,6 @@ class QuotaForm(forms.Form):
     max_rollout_workers = forms.IntegerField(min_value=0)
     priority = forms.IntegerField()
     device_hour_budget = forms.FloatField(required=False, min_value=0, help_text="Empty = unlimited")
-
-
-_TERMINAL_OR_QUEUED = {
-    RunState.QUEUED,
-    RunState.COMPLETED,
-    RunState.FAILED,
-    RunState.CANCELLED,
-    RunState.PREEMPTED,
-}
-
-
-def _quota_usage(quota: Quota) -> dict:
-    runs = Run.objects.filter(experiment__quota=quota)
-    active = runs.filter(state__in=[s.value for s in RunState if s not in _TERMINAL_OR_QUEUED])
-    return {
-        "devices": sum(active.values_list("devices_requested", flat=True)),
-        "runs": active.count(),
-        "rollout_workers": sum(active.values_list("rollout_workers", flat=True)),
-        "queued": runs.filter(state=RunState.QUEUED).count(),
-        "device_hours": quota.device_seconds_used / 3600,
-    }
 
 
 @login_required
@@ -413,9 +385,10 @@ def quotas(request: HttpRequest) -> HttpResponse:
                 return redirect("jobs:quotas")
         bound[quota.pk] = form
         status = 400
+    usage = usage_by_quota(rows, timezone.now(), count_queued=True)
     for q in rows:
         q.form = bound.get(q.pk) or QuotaForm(initial={f: getattr(q, f) for f in QUOTA_FIELDS}, prefix=f"q{q.pk}")
-        q.usage = _quota_usage(q)
+        q.usage = usage[q.pk]
     return render(request, "jobs/quotas.html", {"quotas": rows}, status=status)
 
 
@@ -480,77 +453,8 @@ def submit(request: HttpRequest) -> HttpResponse:
     return render(request, "jobs/submit.html", context, status=status)
 
 
-# --- API docs (no CDN: the schema rendered on the server) ---------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _schema() -> dict:
-    from drf_spectacular.generators import SchemaGenerator
-
-    return SchemaGenerator().get_schema(request=None, public=True)
-
-
-def _ref_name(schema: dict | None) -> str:
-    if not schema:
-        return ""
-    if "$ref" in schema:
-        return schema["$ref"].rsplit("/", 1)[-1]
-    if schema.get("type") == "array":
-        return f"list of {_ref_name(schema.get('items'))}"
-    return schema.get("type", "") or "object"
-
-
-def _endpoints(schema: dict) -> list[dict]:
-    rows = []
-    for path, ops in schema.get("paths", {}).items():
-        for method, op in ops.items():
-            if method not in ("get", "post", "put", "patch", "delete"):
-                continue
-            body = (op.get("requestBody") or {}).get("content", {}).get("application/json", {}).get("schema")
-            rows.append(
-                {
-                    "path": path,
-                    "method": method,
-                    "summary": op.get("description") or op.get("summary") or "",
-                    "tag": (op.get("tags") or [""])[0],
-                    "params": [
-                        {"name": p["name"], "in": p["in"], "description": p.get("description", "")}
-                        for p in op.get("parameters", [])
-                    ],
-                    "body": _ref_name(body),
-                    "responses": [
-                        (code, _ref_name((r.get("content") or {}).get("application/json", {}).get("schema")))
-                        for code, r in op.get("responses", {}).items()
-                    ],
-                }
-            )
-    return rows
-
-
-def _components(schema: dict) -> list[dict]:
-    out = []
-    for name, comp in sorted(schema.get("components", {}).get("schemas", {}).items()):
-        props = comp.get("properties", {})
-        required = set(comp.get("required", []))
-        out.append(
-            {
-                "name": name,
-                "fields": [
-                    {
-                        "name": field,
-                        "type": _ref_name(spec) or ("enum" if "enum" in spec else ""),
-                        "required": field in required,
-                        "read_only": spec.get("readOnly", False),
-                        "description": spec.get("description", ""),
-                    }
-                    for field, spec in props.items()
-                ],
-            }
-        )
-    return out
+# --- API docs (no CDN: the schema rendered on the server, by jobs.api_docs) ------------------------------
 
 
 def api_docs(request: HttpRequest) -> HttpResponse:
-    schema = _schema()
-    context = {"info": schema.get("info", {}), "endpoints": _endpoints(schema), "components": _components(schema)}
-    return render(request, "jobs/api_docs.html", context)
+    return render(request, "jobs/api_docs.html", api_docs_page())

@@ -5,7 +5,8 @@ pagination, the one error format, and the exception table.
 
 Visibility is always by queryset: an object of a team the caller (or the
 caller's token) cannot see is simply absent, so it is a 404, never a 403.
-Every 400 has the body ``{"errors": [{"field": "...", "message": "..."}]}``.
+Every error reply has the body ``{"errors": [{"field": "...", "message": "..."}]}``
+(rlplatform.error_bodies; the exception table below decides the status).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ParseError, ValidationError
+from rest_framework.exceptions import ParseError, PermissionDenied, ValidationError
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -28,10 +29,11 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from rlplatform import permissions as perms
 from rlplatform import tokens
 from rlplatform.api_auth import request_token
+from rlplatform.error_bodies import WHOLE_REQUEST, field_errors_body, refusal_body
 from rlplatform.input_boundary import InputRejected
 from rlplatform.memberships import MembershipError
 from rlplatform.models import APIToken, AuditLog, Device, Host, ResourceGroup, Role, Team
-from rlplatform.tokens import TokenError
+from rlplatform.tokens import RevokeDenied, TokenError
 
 # --- shared plumbing --------------------------------------------------------------------------
 
@@ -53,10 +55,12 @@ class ErrorsSerializer(serializers.Serializer):
     errors = FieldErrorSerializer(many=True)
 
 
-class DetailSerializer(serializers.Serializer):
-    """Body of every 401, 403, 404, 409 and 415 reply."""
+class ErrorReplySerializer(serializers.Serializer):
+    """Body of every error reply but a 400's (401, 403, 404, 409, 415, ...): the message twice."""
 
     detail = serializers.CharField()
+    # Not required while the input boundary's 404 (a path no route matches) still answers with detail alone.
+    errors = FieldErrorSerializer(many=True, required=False, help_text='One entry, its field "request"')
 
 
 class APIAutoSchema(AutoSchema):
@@ -68,17 +72,17 @@ class APIAutoSchema(AutoSchema):
         responses = super()._get_response_bodies(direction)
         errors = {
             "400": OpenApiResponse(ErrorsSerializer, description="Bad input, each problem naming its field"),
-            "401": OpenApiResponse(DetailSerializer, description="No credentials, or a token not valid"),
-            "403": OpenApiResponse(DetailSerializer, description="Your role does not allow this"),
+            "401": OpenApiResponse(ErrorReplySerializer, description="No credentials, or a token not valid"),
+            "403": OpenApiResponse(ErrorReplySerializer, description="Your role does not allow this"),
         }
         if "{" in self.path:
-            errors["404"] = OpenApiResponse(DetailSerializer, description="No such object among your teams'")
+            errors["404"] = OpenApiResponse(ErrorReplySerializer, description="No such object among your teams'")
         elif self.method == "GET" and self._is_list_view() and self._get_paginator() is not None:
-            errors["404"] = OpenApiResponse(DetailSerializer, description="No such page")
+            errors["404"] = OpenApiResponse(ErrorReplySerializer, description="No such page")
         if self.method not in ("GET", "HEAD", "OPTIONS"):
-            errors["409"] = OpenApiResponse(DetailSerializer, description="The object's state does not allow this")
+            errors["409"] = OpenApiResponse(ErrorReplySerializer, description="The object's state does not allow this")
         if self.method in ("POST", "PUT", "PATCH"):
-            errors["415"] = OpenApiResponse(DetailSerializer, description="The body is not JSON")
+            errors["415"] = OpenApiResponse(ErrorReplySerializer, description="The body is not JSON")
         for code, response in errors.items():
             if code not in responses:
                 responses[code] = self._get_response_for_code(response, code, direction=direction)
@@ -86,7 +90,7 @@ class APIAutoSchema(AutoSchema):
 
 
 def errors_response(errors: list[dict[str, str]], code: int = status.HTTP_400_BAD_REQUEST) -> Response:
-    return Response({"errors": errors}, status=code)
+    return Response(field_errors_body(errors), status=code)
 
 
 def _flatten(detail: Any, prefix: str = "") -> list[dict[str, str]]:
@@ -99,54 +103,66 @@ def _flatten(detail: Any, prefix: str = "") -> list[dict[str, str]]:
         return out
     if isinstance(detail, list):
         if all(not isinstance(item, dict | list) for item in detail):
-            return [{"field": prefix or "request", "message": str(item)} for item in detail]
+            return [{"field": prefix or WHOLE_REQUEST, "message": str(item)} for item in detail]
         out = []
         for i, item in enumerate(detail):
             out.extend(_flatten(item, f"{prefix}.{i}" if prefix else str(i)))
         return out
-    return [{"field": prefix or "request", "message": str(detail)}]
+    return [{"field": prefix or WHOLE_REQUEST, "message": str(detail)}]
 
 
 def _field_errors(exc: Exception) -> list[dict[str, str]]:
     errors = getattr(exc, "errors", None)
     if isinstance(errors, list):
         return errors
-    return [{"field": getattr(exc, "field", "request"), "message": getattr(exc, "message", str(exc))}]
+    return [{"field": getattr(exc, "field", WHOLE_REQUEST), "message": getattr(exc, "message", str(exc))}]
 
 
-# Domain exception -> HTTP status: the one table. Bodies: 400 carries field errors, the rest {"detail": ...}.
-# jobs.errors extends it with the jobs domain's exceptions, jobs.ingest.views with the ingest API's.
+# Domain exception -> HTTP status: the one table. Bodies: 400 carries field errors, the rest refusal_body.
+# jobs.errors extends it with the jobs domain's exceptions, jobs.ingest.views with the ingest API's WrongRun.
 PLATFORM_ERRORS: list[tuple[type[Exception], int]] = [
     (InputRejected, status.HTTP_400_BAD_REQUEST),
     (TokenError, status.HTTP_400_BAD_REQUEST),
     (MembershipError, status.HTTP_400_BAD_REQUEST),
+    (RevokeDenied, status.HTTP_403_FORBIDDEN),
     (ObjectDoesNotExist, status.HTTP_404_NOT_FOUND),
     (ProtectedError, status.HTTP_409_CONFLICT),
 ]
 
 
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ProtectedError):
+        return "still in use by other objects; remove those first"
+    if isinstance(exc, ObjectDoesNotExist):
+        return "Not found."  # the same for a missing object and another team's
+    return str(exc)
+
+
 def make_exception_handler(table: list[tuple[type[Exception], int]]):
-    """A DRF exception handler that maps ``table``'s exceptions and renders every 400 as field errors."""
+    """A DRF exception handler that maps ``table``'s exceptions (first match wins) and gives every error
+    reply the errors shape: field errors for a 400, refusal_body for the others (DRF's own included)."""
 
     def handler(exc: Exception, context: dict) -> Response | None:
         for exc_type, code in table:
             if isinstance(exc, exc_type):
                 if code == status.HTTP_400_BAD_REQUEST:
                     return errors_response(_field_errors(exc))
-                if isinstance(exc, ProtectedError):
-                    return Response({"detail": "still in use by other objects; remove those first"}, status=code)
-                if isinstance(exc, ObjectDoesNotExist):
-                    return Response({"detail": "Not found."}, status=code)
-                return Response({"detail": str(exc)}, status=code)
+                return Response(refusal_body(_message(exc)), status=code)
         if isinstance(exc, ValidationError):
             return errors_response(_flatten(exc.detail))
         if isinstance(exc, RequestDataTooBig):  # Django's own size check, when a view reads request.body
             return errors_response([{"field": "body", "message": str(exc)}])
         response = drf_exception_handler(exc, context)
-        if response is not None and response.status_code == status.HTTP_400_BAD_REQUEST:
+        if response is None:
+            return None
+        if response.status_code == status.HTTP_400_BAD_REQUEST:
             # Any other 400 of DRF (ParseError from a parser other than ours, ...): the same shape.
-            field = "body" if isinstance(exc, ParseError) else "request"
+            field = "body" if isinstance(exc, ParseError) else WHOLE_REQUEST
             return errors_response(_flatten(response.data.get("detail", response.data), field))
+        if isinstance(response.data, dict) and set(response.data) == {"detail"}:
+            # DRF's 401, 403, 404, 405, 406, 415, 429: the same body, keeping the reply's headers
+            # (WWW-Authenticate, Allow, Retry-After).
+            response.data = refusal_body(str(response.data["detail"]))
         return response
 
     return handler
@@ -430,7 +446,7 @@ class TokenViewSet(
     @extend_schema(request=TokenCreateSerializer, responses={201: TokenCreatedSerializer, 400: ErrorsSerializer})
     def create(self, request):
         if self.token is not None:
-            return Response({"detail": "log in with a session to create tokens"}, status=status.HTTP_403_FORBIDDEN)
+            raise PermissionDenied("log in with a session to create tokens")
         data = TokenCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         team = perms.teams_for(request.user, token=None).filter(pk=data.validated_data["team"]).first()
@@ -449,10 +465,7 @@ class TokenViewSet(
 
     def _revoke(self, request) -> Response:
         token = self.get_object()
-        try:
-            tokens.revoke(token, actor=request.user)
-        except tokens.RevokeDenied as exc:
-            return Response({"detail": str(exc)}, status=status.HTTP_403_FORBIDDEN)
+        tokens.revoke(token, actor=request.user)  # RevokeDenied: a 403, through the table
         token.refresh_from_db()
         return Response(TokenSerializer(token, context={"request": request}).data)
 

@@ -1,7 +1,7 @@
 """ASGI entry point: HTTP through Django, WebSockets (the live UI, jobs.routing) through Channels.
 
 The run-status read CI polls (``GET /api/runs/{id}/`` with an API token) is
-answered by jobs.api.views.RunStatusFastPath in front of Django, with the same
+answered by jobs.api.fast_status.RunStatusFastPath in front of Django, with the same
 checks and the same reply at a quarter of the CPU (docs/performance.md);
 anything else it passes to Django.
 
@@ -24,7 +24,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import OriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from jobs.api.views import RunStatusFastPath  # noqa: E402
+from jobs.api.fast_status import RunStatusFastPath  # noqa: E402
 from jobs.routing import websocket_urlpatterns  # noqa: E402
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
+from rlplatform import middleware_stack
 from rlplatform.env import env_bool, env_float, env_int, env_list, env_str, parse_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -57,18 +58,8 @@ INSTALLED_APPS = [
     "jobs.apps.JobsConfig",
 ]
 
-MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "rlplatform.security_headers.ContentSecurityPolicyMiddleware",  # every reply, errors included
-    # API input limits (NUL in query strings, oversized bodies) before any session or auth query.
-    "rlplatform.input_boundary.InputBoundaryMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
-]
+# A list, so a deployment or a test can change it (which turns the run-status fast path off).
+MIDDLEWARE = list(middleware_stack.MIDDLEWARE)
 
 ROOT_URLCONF = "rlplatform.urls"
 WSGI_APPLICATION = "rlplatform.wsgi.application"
@@ -209,6 +200,9 @@ _shared_model_root = env_str("TANDEM_SHARED_MODEL_ROOT")
 if _shared_model_root is not None and not Path(_shared_model_root).is_absolute():
     raise ImproperlyConfigured(f"environment variable TANDEM_SHARED_MODEL_ROOT={_shared_model_root!r} is not absolute")
 TANDEM_SHARED_MODEL_ROOT = Path(_shared_model_root).resolve() if _shared_model_root is not None else None
+# Algorithm plug-ins (jobs/confinement.py): a spec's `algorithm.name: package.module:factory` makes the run's
+# hosts import that module; the platform allows only modules under these comma-separated prefixes (none unset).
+TANDEM_ALGORITHM_PLUGINS = env_list("TANDEM_ALGORITHM_PLUGINS", [])
 # Role processes (docs/running-runs.md): each run's directory is <TANDEM_CHECKPOINT_ROOT>/run-<id> (shared
 # storage in a cluster, so a restarted role finds its checkpoints); roles reach the platform at
 # TANDEM_PLATFORM_URL; host supervisors look at their processes every TANDEM_SUPERVISE_S; a live process

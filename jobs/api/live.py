@@ -2,7 +2,8 @@
 
 Thin, like jobs.api.views: find the run among the caller's teams (another
 team's is a 404), check the role for writes (viewers get 403), call the
-domain module (jobs.series, jobs.commands, jobs.checkpoints), serialize.
+domain module (jobs.series, jobs.commands, jobs.checkpoints, jobs.config_history),
+serialize.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from rest_framework.response import Response
 from jobs import checkpoints, commands, launch, series
 from jobs.api import serializers as s
 from jobs.api.views import JobsAPIViewMixin
+from jobs.config_history import config_history
 from jobs.handler import InvalidInput
-from jobs.models import CheckpointRecord, Command, ConfigVersion, RoleHeartbeat, RoleState, Run, RunEvent, RunRole
+from jobs.models import CheckpointRecord, Command, RoleHeartbeat, RoleState, Run, RunEvent, RunRole
 from rlplatform import permissions as perms
 from rlplatform.api import ErrorsSerializer
 
@@ -332,29 +334,7 @@ class RunConfigVersionsViewSet(RunScopedMixin, viewsets.ViewSet):
 
     @extend_schema(responses={200: s.ConfigVersionBodySerializer(many=True)})
     def list(self, request, run_id=None):
-        run = self.get_run()
-        base = {key: commands._get(run.resolved_spec, key) for key in commands.SAFE_PARAMS}
-        current = dict(base)
-        out = [{"number": 0, "params": {}, "effective": dict(base), "diff": {}, "state": "initial"}]
-        versions = ConfigVersion.objects.filter(run=run).select_related("command", "created_by").order_by("number")
-        for version in versions:
-            state = version.command.state if version.command else "done"
-            after = {**current, **version.params}
-            diff = {k: {"before": current.get(k), "after": v} for k, v in after.items() if current.get(k) != v}
-            out.append(
-                {
-                    "number": version.number,
-                    "params": version.params,
-                    "effective": after,
-                    "diff": diff,
-                    "state": state,
-                    "created_by": version.created_by.get_username() if version.created_by else None,
-                    "created_at": version.created_at,
-                }
-            )
-            if state != "failed":  # a failed change never took effect (as in commands.effective_params)
-                current = after
-        return Response(out)
+        return Response(config_history(self.get_run()))
 
 
 __all__ = [

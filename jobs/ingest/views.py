@@ -1,12 +1,14 @@
 """Thin views of the ingest API: authenticate the run token, hand the JSON body to the handler, map errors.
 
-Errors go through the API's one exception table (rlplatform.api, extended by jobs.errors and here):
+Errors go through the API's exception table (rlplatform.api.PLATFORM_ERRORS,
+extended by jobs.errors.JOBS_ERRORS, plus WrongRun here) and its one error shape:
 
 InvalidInput      400  {"errors": [{"field": "points.3.step", "message": "..."}]}
 (input boundary)  400  same shape: malformed, oversized or too deeply nested JSON, NUL characters
-WrongRun          403  {"detail": "..."}   a token of run A naming run B
-CommandNotFound   404
-Conflict          409  e.g. a command acknowledged done, then failed
+(bad run token)   401  {"detail": "...", "errors": [{"field": "request", "message": "..."}]}
+WrongRun          403  same shape: a token of run A naming run B
+CommandNotFound   404  same shape (it is an ObjectDoesNotExist)
+Conflict          409  same shape: e.g. a command acknowledged done, then failed
 """
 
 from __future__ import annotations
@@ -16,18 +18,14 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from jobs.commands import CommandNotFound
 from jobs.errors import JOBS_ERRORS
 from jobs.ingest import handler
 from jobs.ingest.auth import HasRunToken, RunTokenAuthentication
 from rlplatform.api import make_exception_handler
 from rlplatform.input_boundary import BoundedJSONParser
 
-INGEST_ERRORS: list[tuple[type[Exception], int]] = [
-    (handler.WrongRun, status.HTTP_403_FORBIDDEN),
-    (CommandNotFound, status.HTTP_404_NOT_FOUND),
-    *JOBS_ERRORS,
-]
+# The one row only the ingest API needs (its handler's WrongRun), on top of the jobs API's table.
+INGEST_ERRORS: list[tuple[type[Exception], int]] = [(handler.WrongRun, status.HTTP_403_FORBIDDEN), *JOBS_ERRORS]
 
 ingest_exception_handler = make_exception_handler(INGEST_ERRORS)
 

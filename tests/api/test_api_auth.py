@@ -97,7 +97,8 @@ def test_expired_token_is_401(api, owner, team_a, experiment, mint_token):
     APIToken.objects.filter(user=owner).update(expires_at=timezone.now() - datetime.timedelta(seconds=1))
     response = api.get("/api/runs/")
     assert response.status_code == 401
-    assert response.json() == {"detail": "invalid, expired or revoked token"}
+    message = "invalid, expired or revoked token"
+    assert response.json() == {"detail": message, "errors": [{"field": "request", "message": message}]}
 
 
 def test_revoked_token_is_401(api, owner, team_a, experiment, mint_token):

@@ -136,7 +136,8 @@ def test_viewer_cannot_submit_or_cancel(as_user, viewer, team_a, experiment, sub
     client = as_user(viewer, team_a)
     response = client.post("/api/runs/", {"experiment": "exp-a", "spec": SPEC}, format="json")
     assert response.status_code == 403
-    assert response.json() == {"detail": "viewers of team team-a cannot submit runs"}
+    message = "viewers of team team-a cannot submit runs"
+    assert response.json() == {"detail": message, "errors": [{"field": "request", "message": message}]}
     assert client.post(f"/api/runs/{run.pk}/cancel/").status_code == 403
     run.refresh_from_db()
     assert run.state == RunState.ADMITTED
@@ -169,7 +170,8 @@ def test_cancel_frees_devices_audits_and_a_second_cancel_is_409(as_user, editor,
     )
     again = client.post(f"/api/runs/{run.pk}/cancel/")
     assert again.status_code == 409
-    assert again.json() == {"detail": f"run {run.pk} cannot move from CANCELLED to CANCELLED"}
+    message = f"run {run.pk} cannot move from CANCELLED to CANCELLED"
+    assert again.json() == {"detail": message, "errors": [{"field": "request", "message": message}]}
     assert AuditLog.objects.filter(action="run.cancel").count() == 1
 
 
@@ -397,7 +399,8 @@ def test_run_status_of_another_team_a_missing_or_a_malformed_id_is_404(
     before = _serializer_reply(run)
     url = f"/api/runs/{path.format(pk=run.pk, missing=run.pk + 1000)}/"
     by_token = as_user(outsider, team_b).get(url)
-    assert (by_token.status_code, by_token.json()) == (404, {"detail": "Not found."})
+    not_found = {"detail": "Not found.", "errors": [{"field": "request", "message": "Not found."}]}
+    assert (by_token.status_code, by_token.json()) == (404, not_found)
     api.force_login(outsider)
     assert api.get(url).status_code == 404
     assert _serializer_reply(run) == before  # nothing changed
@@ -480,7 +483,7 @@ def test_hot_path_token_check_agrees_with_rlplatform_tokens(owner, editor, super
     assert APIToken.objects.get(name="valid").last_used_at is not None  # use is recorded, as by tokens
 
 
-# --- the run-status fast path (jobs.api.views.RunStatusFastPath) ------------------------------------------
+# --- the run-status fast path (jobs.api.fast_status.RunStatusFastPath) ------------------------------------
 
 
 async def asgi_get(app, path, headers, query=b""):
@@ -538,7 +541,7 @@ class _CountingApp:
 
 @pytest.fixture
 def asgi_apps(settings):
-    from jobs.api.views import RunStatusFastPath
+    from jobs.api.fast_status import RunStatusFastPath
     from rlplatform.asgi import django_asgi_app
 
     settings.ALLOWED_HOSTS = ["ci.example.org"]
@@ -611,10 +614,13 @@ def test_fast_path_hands_everything_else_to_django(
 
 @pytest.mark.django_db(transaction=True)
 def test_fast_path_is_off_when_a_middleware_it_does_not_mirror_is_installed(asgi_apps, settings):
-    from jobs.api.views import FAST_PATH_MIDDLEWARE, RunStatusFastPath
+    from jobs.api.fast_status import RunStatusFastPath
+    from rlplatform.middleware_stack import MIDDLEWARE
 
-    settings.MIDDLEWARE = [*FAST_PATH_MIDDLEWARE, "django.middleware.gzip.GZipMiddleware"]
+    assert RunStatusFastPath(asgi_apps[1]).enabled is True  # the installed list is the one it mirrors
+    settings.MIDDLEWARE = [*MIDDLEWARE, "django.middleware.gzip.GZipMiddleware"]
     assert RunStatusFastPath(asgi_apps[1]).enabled is False
-    settings.MIDDLEWARE = FAST_PATH_MIDDLEWARE
+    settings.MIDDLEWARE = list(MIDDLEWARE)
+    assert RunStatusFastPath(asgi_apps[1]).enabled is True
     settings.SECURE_HSTS_SECONDS = 3600
     assert RunStatusFastPath(asgi_apps[1]).enabled is False

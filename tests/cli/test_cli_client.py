@@ -165,3 +165,12 @@ def test_a_long_wait_sees_the_end_of_a_run_that_ends_while_it_waits(cli, experim
     code, out, _ = cli("submit", str(spec_file), "--experiment", "exp-a", "--submission-id", "slow-1", "--wait")
     assert code == client.EXIT_OK
     assert out.splitlines()[-1].startswith("run ") and "COMPLETED" in out.splitlines()[-1]
+
+
+def test_error_bodies_print_one_line_per_error():
+    # the request as a whole (401, 403, 404, 409) by its message; a field error (400) with its field
+    refused = {"detail": "Not found.", "errors": [{"field": "request", "message": "Not found."}]}
+    assert client.format_error_body(refused) == "  Not found."
+    rejected = {"errors": [{"field": "spec", "message": "required"}, {"field": "priority", "message": "too high"}]}
+    assert client.format_error_body(rejected) == "  spec: required\n  priority: too high"
+    assert client.format_error_body({"detail": "down"}) == "  down"  # a server from before the errors shape

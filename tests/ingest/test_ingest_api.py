@@ -211,7 +211,8 @@ def test_a_token_of_one_run_cannot_write_to_another(run, other_run, client_for):
     ack = post(token_a, "heartbeat", {"run": other_run.pk, "role": "trainer-0"})
 
     assert resp.status_code == wrong_attempt.status_code == ack.status_code == 403
-    assert resp.json() == {"detail": f"this token writes to run {run.pk}, not run {other_run.pk}"}
+    message = f"this token writes to run {run.pk}, not run {other_run.pk}"
+    assert resp.json() == {"detail": message, "errors": [{"field": "request", "message": message}]}
     assert _nothing_stored()
 
 

@@ -96,6 +96,29 @@ def test_config_versions_with_diff(run, editor, viewer, api_as):
     ]
 
 
+def test_a_failed_change_never_took_effect_in_the_api_or_on_the_run_page(run, editor, viewer, api_as, client):
+    # Given two live changes of the learning rate, the first one failed on the runtime
+    lr = run.resolved_spec["trainer"]["lr"]
+    first = commands.create(editor, run, "set_params", {"params": {"trainer.lr": 0.002}})
+    commands.create(editor, run, "set_params", {"params": {"trainer.lr": 0.003}})
+    Command.objects.filter(pk=first.pk).update(state="failed")
+
+    # Then both list it, and diff the second against the spec's value (jobs.config_history)
+    body = api_as(viewer).get(f"/api/runs/{run.pk}/config-versions/").json()
+    assert [(v["number"], v["state"], v["diff"]) for v in body[1:]] == [
+        (1, "failed", {"trainer.lr": {"before": lr, "after": 0.002}}),
+        (2, "pending", {"trainer.lr": {"before": lr, "after": 0.003}}),
+    ]
+    assert body[2]["effective"]["trainer.lr"] == 0.003
+    client.force_login(viewer)
+    page = client.get(f"/runs/{run.pk}/")
+    assert page.status_code == 200
+    assert [(v["number"], v["changes"]) for v in page.context["configs"]] == [
+        (2, [{"param": "trainer.lr", "before": lr, "after": 0.003}]),
+        (1, [{"param": "trainer.lr", "before": lr, "after": 0.002}]),
+    ]
+
+
 def _ingest(run, attempt=0):
     from rest_framework.test import APIClient
 

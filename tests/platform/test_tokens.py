@@ -126,10 +126,11 @@ def test_a_team_admin_token_cannot_revoke_a_superusers_token_in_that_team(owner,
     target, raw = tokens.mint(superuser, team_a, "root-ci")
     response = _revoke_over_api(owner, team_a, target)
     assert response.status_code == 403
-    assert response.json() == {
-        "detail": f"token {target.prefix} belongs to root, who outranks you in its team;"
+    message = (
+        f"token {target.prefix} belongs to root, who outranks you in its team;"
         " only they or someone of their rank can revoke it"
-    }
+    )
+    assert response.json() == {"detail": message, "errors": [{"field": "request", "message": message}]}
     target.refresh_from_db()
     assert target.revoked_at is None
     assert tokens.authenticate_token(raw) == target

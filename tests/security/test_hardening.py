@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from jobs.api.views import RunStatusFastPath
+from jobs.api.fast_status import RunStatusFastPath
 from rlplatform import login_throttle
 from rlplatform.asgi import django_asgi_app
 from rlplatform.security_headers import CONTENT_SECURITY_POLICY, CSP_HEADER

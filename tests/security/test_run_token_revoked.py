@@ -20,13 +20,16 @@ from jobs.ingest.tokens import mint_run_token
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, RunRole, RunToken
 from jobs.models import RoleState as R
 from jobs.states import RunState
+from runtime.contract import spool_dir
 from runtime.reporting_http import HttpReporter, JsonPoster
-from runtime.role import spool_dir
 from tests.ingest.helpers import batch, post, stored
 from tests.launch.helpers import launch_captured, wait_for
 
-# The API's body for a 401 (rlplatform.api: field errors are for 400s); one message for every bad token.
-REFUSED = {"detail": "invalid, expired or revoked run token"}
+# The API's body for a 401 (rlplatform.api: the errors shape, and detail); one message for every bad token.
+REFUSED = {
+    "detail": "invalid, expired or revoked run token",
+    "errors": [{"field": "request", "message": "invalid, expired or revoked run token"}],
+}
 
 
 def _end(run, how, api_as, owner):
