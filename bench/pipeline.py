@@ -72,8 +72,9 @@ from runtime.spec import load_spec  # noqa: E402
 # rollout process sharing the cores evenly (on 2 cores: one thread each, the CPU stand-in for a
 # trainer device and a rollout device); "shared": one process with all the cores.
 RUNS = (
-    ("sync-split", "async", {"max_policy_lag": 0}, "split"),  # lock-step on the async placement
-    ("async", "async", {}, "split"),
+    # throttle: generation waits for fresh weights instead of dropping stale samples (an async-only knob)
+    ("sync-split", "async", {"max_policy_lag": 0, "on_lag_exceeded": "throttle"}, "split"),  # lock-step, async placement
+    ("async", "async", {"on_lag_exceeded": "throttle"}, "split"),
     ("colocated", "colocated", {}, "shared"),
     ("sync", "sync", {}, "shared"),
 )
@@ -94,7 +95,6 @@ def base_spec(args: argparse.Namespace, out: Path, model_dir: Path | None) -> di
             "prompts_per_step": args.prompts,
             "eval_interval": 0,
             "max_policy_lag": args.lag,
-            "on_lag_exceeded": "throttle",
         },
         "checkpoint": {"interval": 0, "keep_last": 1},
         "metrics": {"progress_bar": False},

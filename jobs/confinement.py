@@ -1,4 +1,4 @@
-"""Which files a run may name: the one place where paths from specs and from ingest are confined.
+"""Which files and code a run may name: the one place where paths from specs and from ingest are confined.
 
 Every path is resolved first (symlinks followed, ``..`` folded), then:
 
@@ -14,6 +14,11 @@ Every path is resolved first (symlinks followed, ``..`` folded), then:
 ``output_dir`` is not checked: the platform replaces it with the run's own directory at launch.
 The decision never looks at the file itself, so a refusal reads the same whether or not the path
 exists; whether an allowed path exists is the runtime's check, made later.
+
+The code a spec names is confined too: a plug-in algorithm (``algorithm.name: package.module:factory``)
+makes every host of the run import its module, so the platform takes one only from a module under a
+prefix the operator lists in ``settings.TANDEM_ALGORITHM_PLUGINS`` (none by default). The runtime's own
+CLI, on the user's machine, keeps taking any.
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ from jobs.models import Run
 from rlplatform.models import Team
 from runtime.spec import RunSpec
 
-__all__ = ["OUTSIDE_RUN", "OUTSIDE_TEAM", "SPEC_PATH_FIELDS", "inside_run", "refused_spec_paths", "team_may_read"]
+__all__ = [
+    "OUTSIDE_RUN",
+    "OUTSIDE_TEAM",
+    "SPEC_PATH_FIELDS",
+    "inside_run",
+    "plugin_allowed",
+    "refused_spec_paths",
+    "team_may_read",
+]
 
 OUTSIDE_RUN = "must be inside this run's own directory (run-<id> under the checkpoint root)"
 OUTSIDE_TEAM = "is not inside this team's run directories, its data roots or the shared model root"
@@ -105,9 +118,33 @@ def _get(data: dict[str, Any], dotted: str) -> Any:
     return data
 
 
+def plugin_allowed(module: str) -> bool:
+    """Whether ``module`` is one of, or inside, the packages in ``settings.TANDEM_ALGORITHM_PLUGINS``."""
+    prefixes = (p.strip().rstrip(".") for p in settings.TANDEM_ALGORITHM_PLUGINS)
+    # whole dotted components only: allowing `team_algos` must not allow `team_algos_evil`
+    return any(p and (module == p or module.startswith(p + ".")) for p in prefixes)
+
+
+def _refused_algorithm(resolved_spec: dict[str, Any]) -> list[dict[str, str]]:
+    name = _get(resolved_spec, "algorithm.name")
+    if not isinstance(name, str) or ":" not in name:  # a registered algorithm: nothing is imported
+        return []
+    module = name.partition(":")[0]
+    if plugin_allowed(module):
+        return []
+    message = (
+        f"plug-in module {module!r} is not allowed on this platform: its operator allows plug-ins by listing "
+        "their packages in the setting TANDEM_ALGORITHM_PLUGINS (comma-separated module prefixes)"
+    )
+    return [{"field": "algorithm.name", "message": message}]
+
+
 def refused_spec_paths(team: Team, resolved_spec: dict[str, Any], parent_checkpoint: str = "") -> list[dict[str, str]]:
-    """Field errors, one per path of a resolved spec (and the fork's parent checkpoint) the team may not read."""
-    errors = [
+    """Field errors of what a resolved spec names that the platform refuses, checked at submit and again at
+    each role start: a plug-in algorithm outside TANDEM_ALGORITHM_PLUGINS, and one error per path (and the
+    fork's parent checkpoint) the team may not read."""
+    errors = _refused_algorithm(resolved_spec)
+    errors += [
         {"field": field, "message": OUTSIDE_TEAM}
         for field in SPEC_PATH_FIELDS
         if _get(resolved_spec, field) is not None and not team_may_read(team, _get(resolved_spec, field))

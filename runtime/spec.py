@@ -285,10 +285,10 @@ class PipelineSpec(_Section):
     prompts_per_step: Int = Field(8, ge=1, le=100_000, description="Prompts consumed by one training step.")
     max_policy_lag: Int = Field(1, ge=0, le=1000, description="Largest allowed (trainer version - sample version).")
     on_lag_exceeded: Literal["throttle", "drop", "sync"] = Field(
-        "throttle", description="throttle: generation waits; drop: stale samples discarded; sync: lock-step."
+        "throttle", description="Async: throttle: generation waits; drop: stale samples discarded; sync: lock-step."
     )
     queue_capacity: Int | None = Field(
-        None, ge=1, description="Samples the queue holds; default 5x the samples of one step."
+        None, ge=1, description="Async: samples the queue holds; default 5x the samples of one step."
     )
     eval_interval: Int = Field(10, ge=0, description="Evaluate every N steps (0 = never).")
     offload_optimizer: Bool = Field(False, description="Colocated: move optimizer state to host during generation.")
@@ -368,7 +368,7 @@ class ResourcesSpec(_Section):
         3, ge=0, le=1000, description="Platform: restarts of the trainer (from its last checkpoint) before FAILED."
     )
     rollout_restarts: Int = Field(
-        3, ge=0, le=1000, description="Restarts of each rollout instance that dies, while the run continues."
+        3, ge=0, le=1000, description="Async: restarts of each rollout instance that dies, while the run continues."
     )
     preemptible: Bool = Field(
         False, description="Platform: a higher-priority run may preempt this one (checkpoint, then requeue)."
@@ -558,6 +558,24 @@ MODE_ONLY: dict[str, tuple[str, ...]] = {
     "resources.rollout_workers": ("async",),
     "resources.rollout_devices": ("async",),
     "resources.eval_devices": ("async",),
+    # ... so they have no rollout processes to restart, supervise, scale or stream samples from
+    "resources.rollout_restarts": ("async",),
+    "resources.min_rollout_workers": ("async",),
+    "rollout.hang_timeout_s": ("async",),
+    "pipeline.scale_up_below": ("async",),
+    "pipeline.scale_down_above": ("async",),
+    "pipeline.transfer_max_bytes": ("async",),
+    "pipeline.transfer_window_s": ("async",),
+    "pipeline.transfer_shm_min_bytes": ("async",),
+    # ... and no sample queue: a step trains on the batch it just generated, never on a stale sample
+    "pipeline.queue_capacity": ("async",),
+    "pipeline.on_lag_exceeded": ("async",),
+    # remote rollout instances and a remote evaluator connect to an async trainer only
+    "resources.remote_rollout_workers": ("async",),
+    "resources.remote_evaluator": ("async",),
+    "pipeline.rollout_listen": ("async",),
+    "pipeline.rollout_reconnect_s": ("async",),
+    "pipeline.remote_weight_sync": ("async",),
 }
 
 

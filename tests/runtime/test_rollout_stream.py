@@ -190,7 +190,7 @@ class InstanceHarness:
         from runtime.weights import WeightService, WeightSubscriber
         from tests.runtime.helpers import TINY, tiny_spec
 
-        self.spec = tiny_spec(tmp_path, "inst", TINY, pipeline__transfer_window_s=0.0, **over)
+        self.spec = tiny_spec(tmp_path, "inst", TINY, pipeline__mode="async", pipeline__transfer_window_s=0.0, **over)
         policy, tok = build_policy(self.spec.model, "cpu", seed=self.spec.seed)
         self.weights = WeightService(keep=0)
         ctx = torch.multiprocessing.get_context("spawn")

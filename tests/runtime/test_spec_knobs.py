@@ -17,6 +17,33 @@ ASKED = {
     "resources.rollout_workers": 2,
     "resources.rollout_devices": 1,
     "resources.eval_devices": 1,
+    "resources.rollout_restarts": 5,
+    "resources.min_rollout_workers": 1,
+    "rollout.hang_timeout_s": 30.0,
+    "pipeline.scale_up_below": 0.5,
+    "pipeline.scale_down_above": 0.5,
+    "pipeline.transfer_max_bytes": 1024,
+    "pipeline.transfer_window_s": 0.5,
+    "pipeline.transfer_shm_min_bytes": None,
+    "pipeline.queue_capacity": 64,
+    "pipeline.on_lag_exceeded": "drop",
+    "resources.remote_rollout_workers": 1,
+    "resources.remote_evaluator": True,
+    "pipeline.rollout_listen": "127.0.0.1:0",
+    "pipeline.rollout_reconnect_s": 60.0,
+    "pipeline.remote_weight_sync": "broadcast",
+}
+# Knobs refused outside their modes by a check of their own, older than MODE_ONLY: (path, mode) -> message.
+OWN_MESSAGES = {
+    ("resources.rollout_devices", "colocated"): "colocated mode shares the trainer's devices; set rollout_devices to 0",
+    **{
+        ("resources.remote_rollout_workers", mode): f"remote rollout instances need pipeline.mode async, not {mode}"
+        for mode in ("sync", "colocated")
+    },
+    **{
+        ("resources.remote_evaluator", mode): f"a remote evaluator needs pipeline.mode async, not {mode}"
+        for mode in ("sync", "colocated")
+    },
 }
 
 
@@ -49,8 +76,8 @@ def test_a_mode_only_knob_is_taken_where_it_acts_and_refused_elsewhere(path, mod
         assert spec.resolved()[section][name] == ASKED[path]
     else:
         errors = _errors(data)
-        if path == "resources.rollout_devices" and mode == "colocated":  # its own, older message
-            assert errors[path] == "colocated mode shares the trainer's devices; set rollout_devices to 0"
+        if (path, mode) in OWN_MESSAGES:
+            assert errors[path] == OWN_MESSAGES[path, mode]
         else:
             assert errors[path].startswith(f"acts only in pipeline.mode {' or '.join(MODE_ONLY[path])}, not {mode}")
 
@@ -73,10 +100,17 @@ def test_a_run_asked_for_vllm_is_refused_until_the_engine_is_wired():
     }
 
 
-def test_the_cli_exits_with_the_bad_input_code_before_any_work(tmp_path, capsys):
-    code = main(["run", "examples/grpo-sync.yaml", f"output_dir={tmp_path}/out", "rollout.engine=vllm"])
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("rollout.engine=vllm", "rollout.engine: vllm is not wired"),
+        ("pipeline.on_lag_exceeded=drop", "pipeline.on_lag_exceeded: acts only in pipeline.mode async, not sync"),
+    ],
+)
+def test_the_cli_exits_with_the_bad_input_code_before_any_work(tmp_path, capsys, override, error):
+    code = main(["run", "examples/grpo-sync.yaml", f"output_dir={tmp_path}/out", override])
     assert code == 2
-    assert "rollout.engine: vllm is not wired" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
