@@ -9,7 +9,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db import transaction
 
-from jobs import admission
+from jobs import handler
 from jobs.models import Allocation, Experiment, Run
 from rlplatform.admin import AuditedAdmin
 from rlplatform.models import Quota
@@ -37,7 +37,7 @@ class QuotaAdmin(AuditedAdmin):
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         # Raised limits may let queued runs in; lowered ones only hold new admissions back.
-        transaction.on_commit(lambda: admission.admit_group(obj.group_id))
+        transaction.on_commit(lambda: handler.admit_and_stream(obj.group_id))
 
 
 @admin.register(Experiment)

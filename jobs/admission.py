@@ -18,6 +18,10 @@ one INSERT creates their allocations, and one UPDATE stores the reason and
 pass over a thousand queued runs is a handful of queries, whether it admits
 none of them or all.
 
+The pass returns the ids of the runs it admitted; its callers (jobs.handler,
+jobs.tasks) request their launch (jobs.lifecycle.dispatch), so admission
+knows nothing of launching.
+
 Unless ``TANDEM_ADMISSION_BACKFILL`` is on, the first run that fits its quota
 but finds too few free devices holds back every run after it in the group,
 so small runs cannot starve a large gang.
@@ -53,7 +57,8 @@ class _Usage:
 
 
 def admit_group(group_id: int, now: datetime.datetime | None = None) -> list[int]:
-    """Run one admission pass over a group in its own transaction; return the admitted run ids."""
+    """Run one admission pass over a group in its own transaction; return the admitted run ids (the caller
+    requests their launch)."""
     with transaction.atomic():
         group = locks.lock_group(group_id)
         quotas = locks.lock_group_quotas(group_id)
@@ -102,7 +107,8 @@ def _quota_reason(quota: Quota, usage: _Usage, need: int, workers: int) -> str |
 
 
 def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.datetime) -> list[int]:
-    """The admission pass proper. Caller holds the locks of ``group`` and ``quotas`` (all of the group's)."""
+    """The admission pass proper; returns the admitted run ids, in admission order. Caller holds the locks
+    of ``group`` and ``quotas`` (all of the group's), and requests the admitted runs' launch."""
     queued = (
         Run.objects.queued()
         .filter(experiment__group_id=group.pk)
@@ -181,10 +187,6 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
         )
     if changed:
         _write_queue_state(changed)
-    if admitted:
-        from jobs.launch import request_launch  # launch builds on the handler, which builds on admission
-
-        request_launch(admitted)
     return admitted
 
 

@@ -8,11 +8,12 @@ directory, a symlink pointing out — is treated as absent (the view answers 404
 retention and delete drop such a record but touch no file). Ingest refuses such
 records; this guards rows stored before it did.
 
-Retention (``apply_retention``, run by the periodic task): per run, keep the
-newest ``checkpoint.keep_last`` checkpoints of its resolved spec, the best one by
-``checkpoint.keep_best_metric`` (``keep_best_mode`` max or min) when set, every
-pinned one, and any a fork started from or a pending rollback points at; delete
-the rest (record and files).
+Retention (``apply_retention``, run by the periodic task): per run, keep what
+the run's ``checkpoint`` policy keeps (``runtime.contract.retained``, the rule the
+runtime rotates by outside the platform: the newest ``keep_last`` of its resolved
+spec and the best by ``keep_best_metric``), every pinned one, and any a fork
+started from or a pending rollback points at; delete the rest (record and files).
+A managed run's runtime deletes nothing itself (runtime.role).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jobs import confinement, stream
 from jobs.handler import Conflict
 from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, Run
 from rlplatform import audit
+from runtime.contract import retained
 
 __all__ = ["CheckpointFileNotFound", "apply_retention", "delete", "file_path", "files", "set_pinned", "to_keep"]
 
@@ -122,17 +124,14 @@ def _team(record: CheckpointRecord) -> int:
 def to_keep(run: Run, records: list[CheckpointRecord]) -> set[int]:
     """Ids of the run's checkpoints the retention policy keeps (see the module docstring)."""
     policy = (run.resolved_spec or {}).get("checkpoint", {})
-    keep_last = int(policy.get("keep_last") or 3)
-    best_metric = policy.get("keep_best_metric")
-    mode = policy.get("keep_best_mode", "max")
-    by_step = sorted(records, key=lambda r: (r.step, r.pk))
-    keep = {r.pk for r in by_step[-keep_last:]}
+    by_age = sorted(records, key=lambda r: r.pk)  # among equal steps the later record is the newer
+    keep = retained(
+        ((r.pk, r.step, r.metrics or {}) for r in by_age),
+        int(policy.get("keep_last") or 3),
+        policy.get("keep_best_metric") or None,
+        policy.get("keep_best_mode", "max"),
+    )
     keep |= {r.pk for r in records if r.pinned}
-    if best_metric:
-        scored = [r for r in records if isinstance(r.metrics.get(best_metric), int | float)]
-        if scored:
-            sign = 1 if mode == "max" else -1
-            keep.add(max(scored, key=lambda r: (sign * r.metrics[best_metric], r.step)).pk)
     paths_in_use = set(
         Run.objects.filter(parent_checkpoint__in=[r.path for r in records]).values_list("parent_checkpoint", flat=True)
     )

@@ -19,7 +19,7 @@ Kinds and what the platform does (the runtime does the rest):
     set_params  active       {params: {"trainer.lr": 1e-5, ...}}: safe parameters only,
                              validated against runtime.spec, recorded as a ConfigVersion
     preempt     RUNNING/PAUSED   platform only (jobs.preemption): the runtime checkpoints and exits;
-                             jobs.launch then moves the run PREEMPTED -> QUEUED
+                             jobs.lifecycle then moves the run PREEMPTED -> QUEUED
 
 Permission checks are the caller's, as in jobs.handler.
 """

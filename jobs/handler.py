@@ -9,11 +9,14 @@ Every change of run state goes through ``transition``: it takes the group
 lock (rlplatform.locks order), re-reads the state, refuses illegal moves,
 applies the move as a conditional UPDATE, releases devices when a run stops
 holding them, revokes the run's tokens when it ends, and runs admission in the
-same transaction so freed devices go to the next runs at once.
+same transaction so freed devices go to the next runs at once. Every admission
+pass here requests the launch of what it admitted (jobs.lifecycle.dispatch),
+sent once the transaction commits.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from typing import Any
@@ -24,6 +27,7 @@ from django.utils import timezone
 
 from jobs import accounting, admission, confinement, stream
 from jobs.ingest.tokens import REVOKED_AT, revoke_run_tokens
+from jobs.lifecycle.dispatch import request_launch
 from jobs.models import Experiment, Run
 from jobs.states import ACTIVE_STATES, REASON_REQUIRED, TERMINAL_STATES, IllegalTransition, RunState, check_transition
 from rlplatform import audit, locks
@@ -148,7 +152,7 @@ def update_quota(actor, quota: Quota, **changes: Any) -> Quota:
             locked.save()
             audit.record(actor, "quota.update", locked, before, after)
             states = stream.state_snapshot(quota.group_id)
-            admission.admit_locked(group, quotas, timezone.now())
+            _admit(group, quotas, timezone.now())
             stream.append_state_changes(quota.group_id, states)
     quota.refresh_from_db()
     return quota
@@ -353,8 +357,16 @@ def admit_and_stream(group_id: int, also: list[int] | tuple[int, ...] = ()) -> l
         group = locks.lock_group(group_id)
         quotas = locks.lock_group_quotas(group_id)
         states = stream.state_snapshot(group_id)
-        admitted = admission.admit_locked(group, quotas, timezone.now())
+        admitted = _admit(group, quotas, timezone.now())
         stream.append_state_changes(group_id, states, also=also)
+    return admitted
+
+
+def _admit(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.datetime) -> list[int]:
+    """An admission pass (the caller holds the locks of ``group`` and ``quotas``), and the launch of the runs
+    it admitted requested for after commit; returns their ids."""
+    admitted = admission.admit_locked(group, quotas, now)
+    request_launch(admitted)
     return admitted
 
 
@@ -393,7 +405,7 @@ def transition(run: Run, target: RunState | str, reason: str = "") -> Run:
         if releases:
             accounting.release_run(run.pk, now)
         if releases or target == RunState.QUEUED or current == RunState.QUEUED:
-            admission.admit_locked(group, quotas, now)
+            _admit(group, quotas, now)
         if target in REVOKED_AT:  # the run ended: its tokens stop writing (jobs/ingest/tokens.py)
             revoke_run_tokens(run)
         stream.append_state_changes(group_id, states, also=[run.pk])  # this run and any admission moved
@@ -439,7 +451,7 @@ def set_priority(actor, run: Run, priority: int | None) -> Run:
             states = stream.state_snapshot(group_id)
             Run.objects.filter(pk=run.pk).update(priority=priority, updated_at=timezone.now())
             audit.record(actor, "run.priority", run, {"priority": old}, {"priority": priority})
-            admission.admit_locked(group, quotas, timezone.now())
+            _admit(group, quotas, timezone.now())
             stream.append_state_changes(group_id, states)
     run.refresh_from_db()
     return run

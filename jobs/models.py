@@ -137,7 +137,7 @@ class Allocation(models.Model):
         return f"run {self.run_id} -> device {self.device_id}"
 
 
-# --- Role processes on hosts (jobs.launch places and restarts them, jobs.supervisor runs them) ---------
+# --- Role processes on hosts (jobs.lifecycle places and restarts them, jobs.supervisor runs them) ------
 
 
 class RoleState(models.TextChoices):
@@ -152,7 +152,7 @@ class RunRole(models.Model):
     ``trainer-<i>`` (trainer ranks on a further host), ``rollout-<i>`` (a remote rollout instance).
 
     ``attempt`` counts launches: a restart bumps it, and the runtime reports under it (its run token is
-    minted per attempt). Change it only through ``jobs.launch`` and ``jobs.supervisor``.
+    minted per attempt). Change it only through ``jobs.lifecycle.role_states``.
     """
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="roles")

@@ -6,7 +6,7 @@ the pass looks among the group's RUNNING or PAUSED runs whose spec says
 waiting run's, lowest priority first (then the most recently started, which
 loses the least work). It picks the fewest such victims whose devices, with the
 free ones, let the waiting run be placed (jobs.placement.place_run), and sends each a
-``preempt`` command. The runtime writes a checkpoint and exits; jobs.launch then
+``preempt`` command. The runtime writes a checkpoint and exits; jobs.lifecycle then
 moves the victim PREEMPTED -> QUEUED, admission gives the devices to the waiting
 run, and the victim resumes from its checkpoint when devices free up again.
 
@@ -21,7 +21,8 @@ from django.db import transaction
 from django.db.models import Exists, F, OuterRef
 from django.db.models.functions import Coalesce, Least
 
-from jobs import admission, commands, launch, placement
+from jobs import admission, commands, placement
+from jobs.lifecycle.events import record_event
 from jobs.models import Allocation, Command, CommandKind, CommandState, Run
 from jobs.states import RunState
 from rlplatform import locks
@@ -70,7 +71,7 @@ def preempt_for_waiting(group_id: int) -> list[int]:
         victims = _fewest_victims(group_id, placement.shape_of(resources, need), candidates)
         for victim in victims:
             commands.create(None, victim, CommandKind.PREEMPT)
-            launch.record_event(victim.pk, "preempting", {"for_run": waiting_id})
+            record_event(victim.pk, "preempting", {"for_run": waiting_id})
     return [v.pk for v in victims]
 
 

@@ -21,13 +21,13 @@
 reads the state from the database and the role's files, not from memory, so a
 restarted worker adopts the roles its predecessor started:
 
-* ``exit_code`` written -> ``jobs.launch.role_exited`` (complete, fail, restart...);
+* ``exit_code`` written -> ``jobs.lifecycle.apply.role_exited`` (complete, fail, restart...);
 * the process is gone without one -> ``role_exited(None)``;
 * another trainer role of its run failed (``stop_requested``: the trainer roles
   restart together), or the run stopped being active (cancelled, stopped, failed) more than
   ``STOP_GRACE_S`` ago (``ROLLOUT_STOP_GRACE_S`` for a rollout or evaluator role: it has
   nothing to save) and the process still lives, or the attempt is left from an
-  earlier admission of the run (``jobs.launch.superseded``) -> SIGTERM to its
+  earlier admission of the run (``jobs.lifecycle.roles.superseded``) -> SIGTERM to its
   process group, SIGKILL ``KILL_GRACE_S`` later;
 * the process lives but its runtime has not heartbeated for ``TANDEM_ROLE_HANG_S``
   -> hung: killed and reported, so it restarts from its last checkpoint. A slow
@@ -59,8 +59,14 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from jobs import checkpoints, commands, confinement, launch
+from jobs import checkpoints, commands, confinement, handler, launch
 from jobs.ingest.tokens import mint_run_token
+from jobs.lifecycle import role_states
+from jobs.lifecycle.apply import role_exited
+from jobs.lifecycle.events import record_event, stream_role
+from jobs.lifecycle.files import read_tail, role_dir
+from jobs.lifecycle.names import connects_to_trainer, is_rollout, is_trainer
+from jobs.lifecycle.roles import placed_roles, resources_of, superseded, trainer_ranks, uses_link
 from jobs.models import RoleHeartbeat, Run, RunRole
 from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
@@ -131,16 +137,11 @@ def process_alive(pid: int | None, marker: str) -> bool:
 # --- start ------------------------------------------------------------------------------------------
 
 
-KEEP_EVERY_CHECKPOINT = 10_000  # the largest checkpoint.keep_last the spec takes
-
-
 def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
     spec = copy.deepcopy(run.resolved_spec)
     spec["output_dir"] = role.workdir
-    # The platform owns retention (jobs.checkpoints.apply_retention, with the run's own keep_last): it keeps
-    # pinned checkpoints, fork parents and pending rollback targets, which the runtime cannot see, and
-    # deletes record and files together. The runtime's own rotation would delete them behind its back.
-    spec.setdefault("checkpoint", {})["keep_last"] = KEEP_EVERY_CHECKPOINT
+    # The checkpoint policy travels as the user wrote it: the platform applies it (jobs.checkpoints), and the
+    # trainer role's pipeline deletes no checkpoint itself (runtime.role switches its rotation off).
     # Live parameter changes survive a restart: the new attempt starts with the values in force.
     for dotted, value in commands.effective_params(run).items():
         section, _, name = dotted.partition(".")
@@ -168,11 +169,11 @@ def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if launch.is_trainer(role.name):
+    if is_trainer(role.name):
         env.update(_trainer_group_env(run, role))
     # The trainer advertises this address to the remote rollout roles (its endpoint file).
     env[ENV_HOST_ADDRESS] = role.host.address or role.host.name
-    if launch.uses_link(run):
+    if uses_link(run):
         env[ENV_ROLLOUT_KEY] = rollout_key(run.pk)
     variable = VISIBILITY_VARIABLE.get(role.host.group.kind)
     if variable:
@@ -182,10 +183,10 @@ def _role_env(run: Run, role: RunRole, token: str) -> dict[str, str]:
 
 def _trainer_group_env(run: Run, role: RunRole) -> dict[str, str]:
     """Trainer ranks over several hosts: each trainer role's ranks, and the rendezvous at trainer-0's host."""
-    placed = launch.placed_roles(run)
+    placed = placed_roles(run)
     if isinstance(placed, str) or role.name not in placed:
         return {}
-    ranks = launch.trainer_ranks(placed, launch.resources_of(run))
+    ranks = trainer_ranks(placed, resources_of(run))
     if len(ranks) < 2:
         return {}  # all of them in trainer-0's process group on its host
     mine = ranks[role.name]
@@ -206,7 +207,7 @@ def role_command(spec_path: Path, workdir: str, kind: str = "trainer") -> list[s
 
 
 def _command(role: RunRole, spec_path: Path) -> list[str]:
-    if launch.is_rollout(role.name):
+    if is_rollout(role.name):
         return role_command(spec_path, role.workdir, "rollout")
     if role.name == EVALUATOR_ROLE:
         return role_command(spec_path, role.workdir, "evaluator")
@@ -225,26 +226,23 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def start_role(role_id: int, attempt: int) -> str:
     """Claim and start one attempt of a role on this host; returns what happened (idempotent)."""
-    claimed = RunRole.objects.filter(pk=role_id, attempt=attempt, state=R.PENDING).update(
-        state=R.LAUNCHING, claimed_by=worker_id(), supervised_at=timezone.now()
-    )
-    if not claimed:
+    if not role_states.claim(role_id, attempt, worker_id()):
         return "not-claimed"  # already started (a redelivered task) or superseded by a newer attempt
     role = RunRole.objects.select_related("run", "run__experiment__team", "host", "host__group").get(pk=role_id)
     run = role.run
     if RunState(run.state) not in ACTIVE_STATES:
-        launch.role_exited(role.pk, attempt, None, why=f"not started: the run is {run.state}")
+        role_exited(role.pk, attempt, None, why=f"not started: the run is {run.state}")
         return "run-inactive"
-    if launch.superseded(role, run):  # an attempt queued before its run was requeued and admitted again
-        launch.role_exited(role.pk, attempt, None, why="not started: its run was admitted again")
+    if superseded(role, run):  # an attempt queued before its run was requeued and admitted again
+        role_exited(role.pk, attempt, None, why="not started: its run was admitted again")
         return "superseded"
     # Checked at submit, and again now: a link under the team's own data root may lead elsewhere since.
     refused = confinement.refused_spec_paths(run.experiment.team, run.resolved_spec, run.parent_checkpoint)
     if refused:
         why = "; ".join(f"{error['field']}: {error['message']}" for error in refused)
-        launch.role_exited(role.pk, attempt, EXIT_BAD_INPUT, f"error: {why}\n")
+        role_exited(role.pk, attempt, EXIT_BAD_INPUT, f"error: {why}\n")
         return "refused"
-    directory = launch.role_dir(role)
+    directory = role_dir(role)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         spec_path = Path(role.workdir) / "spec.yaml"
@@ -254,20 +252,14 @@ def start_role(role_id: int, attempt: int) -> str:
         subprocess.run(command, env=env, cwd=settings.BASE_DIR, check=True, timeout=60)
         pid = _wait_for_pid(directory / "pid")
     except (OSError, subprocess.SubprocessError) as exc:
-        launch.role_exited(role.pk, attempt, None, why=f"could not start on {role.host.name}: {exc}")
+        role_exited(role.pk, attempt, None, why=f"could not start on {role.host.name}: {exc}")
         return "start-failed"
-    RunRole.objects.filter(pk=role.pk, attempt=attempt, state=R.LAUNCHING).update(
-        state=R.RUNNING, pid=pid, launched_at=timezone.now(), supervised_at=timezone.now()
-    )
+    role_states.mark_running(role.pk, attempt, pid, timezone.now())
     role.refresh_from_db()
-    launch.stream_role(role)
-    launch.record_event(
-        run.pk, "role_started", {"role": role.name, "host": role.host.name, "attempt": attempt, "pid": pid}
-    )
+    stream_role(role)
+    record_event(run.pk, "role_started", {"role": role.name, "host": role.host.name, "attempt": attempt, "pid": pid})
     if run.state == RunState.ADMITTED:
         try:
-            from jobs import handler
-
             handler.transition(run, RunState.STARTING)
         except IllegalTransition:
             pass  # cancelled meanwhile: the supervisor stops the process
@@ -305,13 +297,13 @@ class Supervisor:
         )
         now = timezone.now()
         for role in roles:
-            directory = launch.role_dir(role)
+            directory = role_dir(role)
             if role.state == R.LAUNCHING:
                 self._check_launching(role, directory, now, done)
                 continue
             code = _read_int(directory / "exit_code")
             if code is not None:
-                launch.role_exited(role.pk, role.attempt, code, launch.read_tail(directory / "log"))
+                role_exited(role.pk, role.attempt, code, read_tail(directory / "log"))
                 self._terminating.pop((role.pk, role.attempt), None)
                 done["exited"] += 1
                 continue
@@ -320,11 +312,11 @@ class Supervisor:
                 # (a busy host can pause this thread between the two looks). Read again before calling it
                 # vanished, or a clean exit would be recorded without its code.
                 code = _read_int(directory / "exit_code")
-                launch.role_exited(
+                role_exited(
                     role.pk,
                     role.attempt,
                     code,
-                    launch.read_tail(directory / "log"),
+                    read_tail(directory / "log"),
                     why="" if code is not None else "the process vanished",
                 )
                 done["exited"] += 1
@@ -333,16 +325,16 @@ class Supervisor:
                 self._terminate(role, done)
             elif self._hung(role, now):
                 self._kill_now(role)
-                launch.role_exited(
+                role_exited(
                     role.pk,
                     role.attempt,
                     None,
-                    launch.read_tail(directory / "log"),
+                    read_tail(directory / "log"),
                     why=f"hung: no heartbeat for {settings.TANDEM_ROLE_HANG_S:g} s",
                 )
                 done["killed"] += 1
                 continue
-            RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.RUNNING).update(supervised_at=now)
+            role_states.renew_lease(role.pk, role.attempt, now)
             done["renewed"] += 1
         return done
 
@@ -355,17 +347,13 @@ class Supervisor:
             return
         pid = _read_int(directory / "pid")
         if pid and process_alive(pid, str(directory)):
-            RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.LAUNCHING).update(
-                state=R.RUNNING, pid=pid, launched_at=now, supervised_at=now, claimed_by=worker_id()
-            )
+            role_states.mark_running(role.pk, role.attempt, pid, now, claimed_by=worker_id())
             done["adopted"] += 1
         elif _read_int(directory / "exit_code") is not None or pid:
-            launch.role_exited(
-                role.pk, role.attempt, _read_int(directory / "exit_code"), launch.read_tail(directory / "log")
-            )
+            role_exited(role.pk, role.attempt, _read_int(directory / "exit_code"), read_tail(directory / "log"))
             done["exited"] += 1
         else:  # claimed, never started: start it again
-            RunRole.objects.filter(pk=role.pk, attempt=role.attempt, state=R.LAUNCHING).update(state=R.PENDING)
+            role_states.hand_back(role.pk, role.attempt)
             launch.resend_start(role.pk)
 
     def _should_stop(self, role: RunRole, now) -> bool:
@@ -373,9 +361,9 @@ class Supervisor:
         if role.stop_requested:  # another trainer role of its run failed: they restart together
             return True
         if RunState(run.state) in ACTIVE_STATES:
-            return launch.superseded(role, run)  # its run was admitted again: a new attempt replaces it
+            return superseded(role, run)  # its run was admitted again: a new attempt replaces it
         ended = run.finished_at or run.updated_at
-        grace = ROLLOUT_STOP_GRACE_S if launch.connects_to_trainer(role.name) else STOP_GRACE_S
+        grace = ROLLOUT_STOP_GRACE_S if connects_to_trainer(role.name) else STOP_GRACE_S
         return ended is None or (now - ended).total_seconds() >= grace or run.state == RunState.CANCELLED
 
     def _terminate(self, role: RunRole, done: dict[str, int]) -> None:

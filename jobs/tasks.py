@@ -4,6 +4,8 @@ All are idempotent and safe to overlap: every pass takes the group lock,
 accounting moves each allocation's ``accounted_until`` mark, and a role start is
 claimed by a conditional update (jobs.supervisor). ``start_role`` is the one
 task sent to a host's own queue (``host.<name>``); the rest run on ``default``.
+Importing jobs.supervisor here also connects the role supervisor to the
+worker's signals: the worker imports this module through autodiscovery.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from celery import shared_task
 from django.db import transaction
 
-from jobs import accounting, admission, checkpoints, launch, preemption, stream
+from jobs import accounting, admission, checkpoints, launch, preemption, stream, supervisor
+from jobs.lifecycle import watchdog
+from jobs.lifecycle.dispatch import request_launch
 from jobs.models import Allocation, CheckpointRecord, Run
 
 
@@ -22,7 +26,9 @@ def admit_pending() -> int:
     admitted = 0
     for group_id in group_ids:
         states = stream.state_snapshot(group_id)
-        admitted += len(admission.admit_group(group_id))
+        admitted_ids = admission.admit_group(group_id)
+        request_launch(admitted_ids)  # committed already: sent at once
+        admitted += len(admitted_ids)
         with transaction.atomic():
             stream.append_state_changes(group_id, states)  # live UI: admitted runs, new queue positions
         preemption.preempt_for_waiting(group_id)  # the first waiting run may take preemptible runs' devices
@@ -61,9 +67,6 @@ def start_role(role_id: int, attempt: int) -> str:
 
 @shared_task(name="jobs.tasks.watch_roles", soft_time_limit=60, time_limit=90)
 def watch_roles() -> dict[str, int]:
-    """Beat: roles whose host is gone, start tasks the broker lost, admitted runs never launched."""
-    return launch.watch()
-
-
-# Connects the role supervisor to the worker's signals; the worker imports this module through autodiscovery.
-from jobs import supervisor  # noqa: E402
+    """Beat: roles whose host is gone, start tasks the broker lost, admitted runs never launched
+    (jobs.lifecycle.watchdog)."""
+    return watchdog.watch()

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from runtime import queue as queue_format
+from runtime.contract import best_checkpoint, retained
 from runtime.samples import Prompt, Sample
 
 FORMAT = "tandem-checkpoint"
@@ -93,7 +94,12 @@ class CheckpointManager:
 
     ``keep_last`` newest checkpoints are kept; with ``keep_best_metric`` the
     best checkpoint by that metric (``keep_best_mode`` max or min; ties go to
-    the newest) is kept as well, however old.
+    the newest) is kept as well, however old (``runtime.contract.retained``).
+
+    ``rotate=False``: saves delete nothing. A platform-managed run's checkpoints
+    are the platform's to delete (``jobs.checkpoints``, by the same policy): it
+    also keeps pinned ones, fork parents and rollback targets, which the runtime
+    cannot see, and deletes record and files together.
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class CheckpointManager:
         keep_last: int = 3,
         keep_best_metric: str | None = None,
         keep_best_mode: Literal["max", "min"] = "max",
+        rotate: bool = True,
     ):
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
@@ -111,6 +118,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_best_metric = keep_best_metric
         self.keep_best_mode = keep_best_mode
+        self.rotate = rotate
 
     def save(
         self,
@@ -168,7 +176,8 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.apply_retention()
+        if self.rotate:
+            self.apply_retention()
         return final
 
     def list(self) -> list[CheckpointInfo]:
@@ -198,16 +207,18 @@ class CheckpointManager:
         """The best checkpoint by ``keep_best_metric`` (ties: newest), or None."""
         if self.keep_best_metric is None:
             return None
-        return _best(self.list(), self.keep_best_metric, self.keep_best_mode)
+        infos = self.list()
+        best = best_checkpoint(
+            ((n, i.step, i.metrics) for n, i in enumerate(infos)), self.keep_best_metric, self.keep_best_mode
+        )
+        return None if best is None else infos[best]
 
     def apply_retention(self) -> builtins.list[Path]:
         """Delete checkpoints outside keep-last and keep-best; return what was deleted."""
         infos = self.list()
-        keep = {i.path for i in infos[-self.keep_last :]}
-        if self.keep_best_metric is not None:
-            best = _best(infos, self.keep_best_metric, self.keep_best_mode)
-            if best is not None:
-                keep.add(best.path)
+        keep = retained(
+            ((i.path, i.step, i.metrics) for i in infos), self.keep_last, self.keep_best_metric, self.keep_best_mode
+        )
         removed = []
         for info in infos:
             if info.path not in keep:
@@ -223,15 +234,6 @@ class CheckpointManager:
         for entry in self.root.iterdir():
             if entry.is_dir() and entry.name.startswith((_TMP_PREFIX, _DEL_PREFIX)):
                 shutil.rmtree(entry, ignore_errors=True)
-
-
-def _best(infos: list[CheckpointInfo], metric: str, mode: str) -> CheckpointInfo | None:
-    scored = [i for i in infos if metric in i.metrics]
-    if not scored:
-        return None
-    sign = 1.0 if mode == "max" else -1.0
-    # Sort key (value, step): among equal values the highest step wins.
-    return max(scored, key=lambda i: (sign * i.metrics[metric], i.step))
 
 
 def _clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -6,18 +6,26 @@ they read, the exit codes they end with), the files they leave in the run
 directory for the platform to read (the rollout endpoint, the reporter's
 spool), the ingest API they report to, and the commands that ride back on its
 replies. Each of those facts lives here and both halves import it: ``jobs``
-imports only this module and ``runtime.spec`` from the runtime.
+imports only this module and ``runtime.spec`` from the runtime. Two rules are
+whole here rather than named: the ingest batch's schema (the reporter checks
+each record against it, the platform every body) and checkpoint retention
+(``retained``: the runtime's rotation and the platform's retention task).
 
-Standard library only (and no import of another runtime module), so the
-platform's web processes import it without torch.
+Standard library and pydantic only (and no import of another runtime module),
+so the platform's web processes import it without torch.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema, StringConstraints, ValidationError
+from pydantic_core import core_schema
 
 # --- role processes ------------------------------------------------------------------------------------
 
@@ -108,8 +116,191 @@ HEARTBEAT_PATH = "/api/ingest/heartbeat"
 COMMAND_RESULT_PATH = "/api/ingest/command_result"
 
 
+# The batch a reporter POSTs to METRICS_PATH, and the rules the platform holds every body to before it
+# stores anything (PostgreSQL's limits among them: no U+0000 in text or jsonb, 64-bit integers).
+MAX_POINTS = 10_000  # per batch; the reporter sends 500
+MAX_EVENTS = 10_000
+MAX_METRICS_PER_POINT = 1_000
+MAX_METRIC_NAME = 200
+MAX_EVENT_KIND = 50
+MAX_STEP = 2**62  # fits BIGINT with room; no real run gets near it
+MAX_TIME = 32_503_680_000  # year 3000 in Unix seconds: later "times" are garbage, and overflow datetime
+INT_RANGE = (-(2**63), 2**63 - 1)  # integers PostgreSQL can compare as numbers without surprises
+_NO_NUL = r"^[^\x00]*$"
+
+
+def _json_number(error: str, low: int | None = None, high: int | None = None) -> Any:
+    """A JSON number in [low, high] (unbounded when None): an integer (never a bool) within INT_RANGE,
+    kept an integer, or a finite float.
+
+    Built from pydantic-core parts so a batch's thousands of values are checked without a Python call
+    each; one error (``error``) per bad value, at the value's own location."""
+    as_int = core_schema.int_schema(
+        strict=True,
+        ge=INT_RANGE[0] if low is None else max(low, INT_RANGE[0]),
+        le=INT_RANGE[1] if high is None else min(high, INT_RANGE[1]),
+    )
+    # A strict float takes integers too (10**30 would pass as 1e30): only a real float goes this way.
+    as_float = core_schema.chain_schema(
+        [core_schema.is_instance_schema(float), core_schema.float_schema(allow_inf_nan=False, ge=low, le=high)]
+    )
+    # Floats first: most metric values are floats, and a failed first try is what costs.
+    schema = core_schema.union_schema(
+        [as_float, as_int], mode="left_to_right", custom_error_type=error, custom_error_message=error
+    )
+    return GetPydanticSchema(lambda _type, _handler: schema)
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_nul(v) for v in value)
+    return False
+
+
+def _payload(value: dict[str, Any] | None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if _holds_nul(value):
+        raise ValueError("holds a NUL character")
+    return value
+
+
+def _role(value: str | None) -> str:
+    return (value or "").strip()
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_STEP)]
+UnixTime = Annotated[float, _json_number("unix_time", 0, MAX_TIME)]
+MetricName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_METRIC_NAME, pattern=_NO_NUL)]
+MetricValue = Annotated[float, _json_number("metric_value")]
+
+
+class IngestPoint(BaseModel):
+    """One step's metrics. ``time`` absent: the platform's time of arrival. ``seq``: the reporter's."""
+
+    model_config = ConfigDict(strict=True)
+
+    seq: Count | None = None
+    step: Count
+    time: UnixTime | None = None
+    metrics: Annotated[dict[MetricName, MetricValue | None], Field(max_length=MAX_METRICS_PER_POINT)]
+
+
+class IngestEvent(BaseModel):
+    """One event; ``seq`` is its idempotency key within the reporting role's attempt."""
+
+    model_config = ConfigDict(strict=True)
+
+    seq: Count
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=MAX_EVENT_KIND, pattern=_NO_NUL)]
+    payload: Annotated[dict[str, Any] | None, AfterValidator(_payload)] = Field(default_factory=dict)
+    time: UnixTime | None = None
+
+
+class IngestBatch(BaseModel):
+    """The body of a POST to METRICS_PATH. ``run`` and ``attempt`` may be left out (the token's then)."""
+
+    model_config = ConfigDict(strict=True)
+
+    run: str | int | None = None
+    attempt: Count | None = None
+    role: Annotated[
+        Annotated[str, StringConstraints(max_length=MAX_ROLE_NAME, pattern=_NO_NUL)] | None, AfterValidator(_role)
+    ] = ""
+    points: Annotated[list[IngestPoint], Field(max_length=MAX_POINTS)] = []
+    events: Annotated[list[IngestEvent], Field(max_length=MAX_EVENTS)] = []
+
+
+# What a refused body is told, by where the problem is (indices are ``[]``): the rule of that field.
+_COUNT_RULE = "must be a non-negative integer"
+_TIME_RULE = "must be a Unix time in seconds"
+_METRICS_RULE = "must be an object of name: number"
+_FIELD_RULES = {
+    ("run",): "must be the run's id",
+    ("attempt",): _COUNT_RULE,
+    ("role",): f"must be a string of 0 to {MAX_ROLE_NAME} characters",
+    ("points",): "must be a list",
+    ("points", "[]"): "must be an object with step and metrics",
+    ("points", "[]", "seq"): _COUNT_RULE,
+    ("points", "[]", "step"): _COUNT_RULE,
+    ("points", "[]", "time"): _TIME_RULE,
+    ("points", "[]", "metrics"): _METRICS_RULE,
+    ("events",): "must be a list",
+    ("events", "[]"): "must be an object with seq and kind",
+    ("events", "[]", "seq"): _COUNT_RULE,
+    ("events", "[]", "time"): _TIME_RULE,
+    ("events", "[]", "kind"): f"must be a string of 1 to {MAX_EVENT_KIND} characters",
+    ("events", "[]", "payload"): "must be an object (no NUL characters)",
+}
+_TOO_LONG = {
+    ("points",): lambda n: f"at most {MAX_POINTS} points per batch, got {n}",
+    ("events",): lambda n: f"at most {MAX_EVENTS} events per batch, got {n}",
+    ("points", "[]", "metrics"): lambda n: f"at most {MAX_METRICS_PER_POINT} metrics per point",
+}
+
+
+def field_name(loc: Iterable[str | int]) -> str:
+    """``("points", 3, "step")`` -> ``points[3].step``."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name
+
+
+def _problem(error: Mapping[str, Any]) -> dict[str, str]:
+    loc = tuple(error["loc"])
+    if not loc:
+        return {"field": "body", "message": "must be a JSON object"}
+    if len(loc) >= 4 and loc[0] == "points" and loc[2] == "metrics":  # a metric's name or value
+        if loc[4:5] == ("[key]",):
+            return {
+                "field": field_name(loc[:3]),
+                "message": f"metric names must have 1 to {MAX_METRIC_NAME} characters (no NUL)",
+            }
+        return {"field": field_name(loc[:4]), "message": "must be a finite number or null"}
+    shape = tuple("[]" if isinstance(part, int) else part for part in loc)
+    # The longest known prefix: a union's member names (``int``, ``function-after[...]``) may follow.
+    while shape and shape not in _FIELD_RULES:
+        shape = shape[:-1]
+    where = loc[: len(shape)]
+    if error["type"] == "too_long" and shape in _TOO_LONG:
+        return {"field": field_name(where), "message": _TOO_LONG[shape](error["ctx"]["actual_length"])}
+    return {"field": field_name(where), "message": _FIELD_RULES.get(shape, "is not valid")}
+
+
+def problems_of(exc: ValidationError) -> list[dict[str, str]]:
+    """A refused body's problems, each named by its field (``points[3].step``) with the field's rule."""
+    out: list[dict[str, str]] = []
+    for error in exc.errors(include_url=False, include_context=True, include_input=False):
+        problem = _problem(error)
+        if problem not in out:  # a field's rule once, however many ways it was broken
+            out.append(problem)
+    return out
+
+
+def read_batch(body: Any) -> tuple[IngestBatch | None, list[dict[str, str]]]:
+    """An ingest body checked against the schema: (the batch, []) or (None, its problems)."""
+    try:
+        return IngestBatch.model_validate(body), []
+    except ValidationError as exc:
+        return None, problems_of(exc)
+
+
+def record_problems(record: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Problems the platform would find in one spooled record (a point has ``step``, an event ``kind``),
+    each field named within the record (``metrics.reward``): a reporter refuses such a record instead of
+    spooling it, where it would hold up every later record."""
+    section = "points" if "step" in record else "events"
+    problems = read_batch({section: [record]})[1]
+    return [{**p, "field": p["field"].removeprefix(f"{section}[0]").lstrip(".") or "record"} for p in problems]
+
+
 def batch_body(records: list[dict[str, Any]], run: str, attempt: int, role: str) -> dict[str, Any]:
-    """The ingest body for spooled ``records`` (points carry ``step``, events ``kind``)."""
+    """The ingest body (an IngestBatch's fields) for spooled ``records`` (points carry ``step``, events ``kind``)."""
     return {
         "run": run,
         "attempt": attempt,
@@ -140,3 +331,52 @@ def live_param_problems(params: Any) -> list[dict[str, str]]:
         for key in params
         if key not in LIVE_PARAMS
     ]
+
+
+# --- checkpoint retention --------------------------------------------------------------------------------
+
+Key = TypeVar("Key")
+
+
+def retained(
+    checkpoints: Iterable[tuple[Key, int, Mapping[str, Any]]],
+    keep_last: int,
+    best_metric: str | None = None,
+    best_mode: Literal["max", "min"] = "max",
+) -> set[Key]:
+    """Keys of the checkpoints the ``checkpoint`` policy keeps, from ``(key, step, metrics)`` of each:
+    the newest ``keep_last`` by step, and with ``best_metric`` the best by it (``best_checkpoint``)
+    however old. Among equal steps the later one in ``checkpoints`` counts as newer.
+
+    The runtime rotates its checkpoint directory by this alone; the platform keeps the pinned and
+    in-use ones besides (jobs.checkpoints)."""
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    ordered = sorted(checkpoints, key=lambda c: c[1])  # stable: input order breaks ties of step
+    keep = {key for key, _, _ in ordered[-keep_last:]}
+    if best_metric is not None:
+        best = best_checkpoint(ordered, best_metric, best_mode)
+        if best is not None:
+            keep.add(best)
+    return keep
+
+
+def best_checkpoint(
+    checkpoints: Iterable[tuple[Key, int, Mapping[str, Any]]], metric: str, mode: Literal["max", "min"] = "max"
+) -> Key | None:
+    """Key of the best checkpoint by ``metric`` (``mode`` max or min) of ``(key, step, metrics)``, or None.
+    Ties go to the newer (higher step, then later in ``checkpoints``); one without a finite number for
+    the metric is never the best."""
+    if mode not in ("max", "min"):
+        raise ValueError(f"best_mode must be 'max' or 'min', got {mode!r}")
+    sign = 1 if mode == "max" else -1
+    scored = [
+        (sign * metrics[metric], step, position, key)
+        for position, (key, step, metrics) in enumerate(checkpoints)
+        if _finite_number(metrics.get(metric))
+    ]
+    return max(scored, key=lambda s: s[:3])[3] if scored else None
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

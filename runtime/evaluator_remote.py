@@ -176,7 +176,12 @@ class EvaluatorProcess:
         self.engine = build_engine(policy, self.tokenizer, self.device, spec)
         self.task = build_task(spec)
         self.prompts = self.task.eval_prompts()
-        self.hello = {"role": EVALUATOR_ROLE, "pid": os.getpid(), "host": socket.gethostname(), "digest": spec_digest(spec)}
+        self.hello = {
+            "role": EVALUATOR_ROLE,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "digest": spec_digest(spec),
+        }
 
     def serve(self, endpoint_path: Path, key: bytes | None, status: Callable[[str], None] = lambda s: None) -> int:
         """Serve trainers until the run ends (0) or none is found for ``rollout_reconnect_s`` (3)."""

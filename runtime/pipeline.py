@@ -135,6 +135,7 @@ class RunContext:
         reporters: Any = None,
         stop: Any = None,
         control: Control | None = None,
+        rotate_checkpoints: bool = True,
     ):
         from runtime.checkpoint import CheckpointManager, load_checkpoint
         from runtime.devices import manual_seed_all, resolve_device, set_threads
@@ -174,6 +175,7 @@ class RunContext:
             keep_last=spec.checkpoint.keep_last,
             keep_best_metric=spec.checkpoint.keep_best_metric,
             keep_best_mode=spec.checkpoint.keep_best_mode,
+            rotate=rotate_checkpoints,  # off under the platform: retention is its (runtime.role)
         )
         self.start_step = 0
         self.dropped_total = 0
@@ -547,6 +549,7 @@ def run(
     reporters: Any = None,
     stop: Callable[[int, dict[str, float]], bool] | None = None,
     control: Control | None = None,
+    rotate_checkpoints: bool = True,
 ) -> dict[str, Any]:
     """Run ``spec`` to ``pipeline.steps`` (continuing from the checkpoint ``resume`` when given).
 
@@ -555,9 +558,10 @@ def run(
     ``control`` brings directives (pause, stop, rollback, ...), applied at step boundaries, and
     receives the run's status. Returns the final step's metrics, the evaluations, the outcome
     (completed, stopped, preempted, cancelled), and a trace of the issue indices consumed per
-    step / dropped / left over (queue and in flight) at the end.
+    step / dropped / left over (queue and in flight) at the end. ``rotate_checkpoints=False`` leaves
+    every checkpoint in place (``spec.checkpoint`` still recorded as written): the caller owns retention.
     """
-    ctx = RunContext(spec, Path(resume) if resume is not None else None, reporters, stop, control)
+    ctx = RunContext(spec, Path(resume) if resume is not None else None, reporters, stop, control, rotate_checkpoints)
     error: BaseException | None = None
     try:
         if ctx.spec.pipeline.mode == "async":

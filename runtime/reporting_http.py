@@ -14,17 +14,23 @@ acknowledged batch moves a durable cursor (``<spool_dir>/cursor.json``). So:
   each role process has its own reporter and so its own ``seq`` counter),
   so the platform stores it once.
 
-Wire format (``POST <base_url><path>``, ``Authorization: Bearer <token>``)::
+Wire format (``POST <base_url><path>``, ``Authorization: Bearer <token>``;
+the schema, limits included, is ``runtime.contract.IngestBatch``)::
 
     {"run": "...", "attempt": 0, "role": "trainer-0",
      "points": [{"seq": 7, "step": 12, "time": 1732960000.1, "metrics": {"reward/mean": 0.5}}],
      "events": [{"seq": 8, "time": ..., "kind": "checkpoint", "payload": {...}}]}
 
+A record the platform would refuse (a metric name over the length limit, an
+event kind too long, ...) is refused by ``report`` / ``event`` with a
+ReporterError instead of being spooled: in the spool it would hold up every
+record after it, retried for ever.
+
 Any 2xx acknowledges the whole batch; the reply's JSON body (pending commands)
 is passed to ``on_reply``. Anything else keeps the batch in the spool.
 :class:`JsonPoster` is the one POST of a JSON body with the run token, shared
 with the role's heartbeats and command acknowledgements (``runtime.role``).
-Standard library only.
+Standard library only, besides the contract.
 """
 
 from __future__ import annotations
@@ -41,7 +47,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.contract import CURSOR_FILE, METRICS_PATH, SPOOL_FILE, batch_body, end_of_last_line, line_start
+from runtime.contract import (
+    CURSOR_FILE,
+    METRICS_PATH,
+    SPOOL_FILE,
+    batch_body,
+    end_of_last_line,
+    line_start,
+    record_problems,
+)
 from runtime.metrics import ReporterError, clean_metrics, plain_json
 
 REFUSED_STATUSES = (401, 403)  # the token is no good (any more): retrying cannot help
@@ -215,6 +229,10 @@ class HttpReporter:
             if self._closing:
                 raise ReporterError("the HTTP reporter is closed")
             record = {"seq": self._next_seq, **record}
+            problems = record_problems(record)
+            if problems:
+                named = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
+                raise ReporterError(f"the platform would refuse this record ({named}): {json.dumps(record)[:200]}")
             line = json.dumps(record, allow_nan=False).encode() + b"\n"
             self._spool.write(line)
             self._spool.flush()

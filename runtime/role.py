@@ -405,7 +405,11 @@ class TrainerRole:
             # The first heartbeat before any work: commands already pending reach the pipeline's first boundary.
             self.heartbeat.beat()
             self.heartbeat.start()
-            result = run(self.spec, resume=self.resume, reporters=reporters, control=self.control)
+            # The platform owns retention of the run's checkpoints (jobs.checkpoints): it also keeps pinned
+            # ones, fork parents and rollback targets, which the runtime cannot see. So the pipeline deletes none.
+            result = run(
+                self.spec, resume=self.resume, reporters=reporters, control=self.control, rotate_checkpoints=False
+            )
             steps = int(result["steps"])
             # "outcome" arrives with the controllable pipeline; a pipeline without it only runs to completion.
             outcome = str(result.get("outcome", "completed"))

@@ -47,8 +47,6 @@ class TrainerGroupError(RuntimeError):
     """A trainer rank failed or cannot be reached."""
 
 
-
-
 def parse_ranks(text: str, world: int, what: str) -> range:
     """``first-last`` (or one rank) -> range, within ``[0, world)``; a clear error naming ``what`` otherwise."""
     first, sep, last = text.strip().partition("-")

@@ -18,11 +18,12 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
-from jobs import checkpoints, commands, launch, series
+from jobs import checkpoints, commands, series
 from jobs.api import serializers as s
 from jobs.api.views import JobsAPIViewMixin
 from jobs.config_history import config_history
 from jobs.handler import InvalidInput
+from jobs.lifecycle.files import read_tail, role_dir
 from jobs.models import CheckpointRecord, Command, RoleHeartbeat, RoleState, Run, RunEvent, RunRole
 from rlplatform import permissions as perms
 from rlplatform.api import ErrorsSerializer
@@ -281,7 +282,7 @@ class RunRolesViewSet(RunScopedMixin, viewsets.ViewSet):
                     "message": role.message,
                     "first_seen": beat.first_seen if beat else role.launched_at,
                     "last_seen": beat.last_seen if beat else role.supervised_at,
-                    "log_tail": launch.read_tail(launch.role_dir(role) / "log", LOG_TAIL_BYTES),
+                    "log_tail": read_tail(role_dir(role) / "log", LOG_TAIL_BYTES),
                 }
             )
         launched = {r["role"] for r in out}

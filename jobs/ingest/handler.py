@@ -27,18 +27,12 @@ from jobs import commands, confinement, series_store, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
-from runtime.contract import TRAINER_ROLE  # the one role whose heartbeats take commands
+from runtime.contract import INT_RANGE, MAX_ROLE_NAME, MAX_STEP, TRAINER_ROLE, read_batch
 
-MAX_POINTS = 10_000  # per batch; the reporter sends 500
-MAX_METRICS_PER_POINT = 1_000
-MAX_EVENTS = 10_000
-MAX_NAME = 200
-MAX_ROLE = 100
-MAX_KIND = 50
+# A batch's limits are the contract's (runtime.contract.IngestBatch); TRAINER_ROLE is the one role whose
+# heartbeats take commands.
+MAX_ROLE = MAX_ROLE_NAME
 MAX_ERRORS = 20  # reported per bad batch; the rest is noise
-MAX_STEP = 2**62  # fits BIGINT with room; no real run gets near it
-MAX_TIME = 32_503_680_000  # year 3000 in Unix seconds: later "times" are garbage, and overflow datetime
-INT_RANGE = (-(2**63), 2**63 - 1)  # integers PostgreSQL can compare as numbers without surprises
 
 
 class WrongRun(Exception):
@@ -105,84 +99,35 @@ def _role(body: dict[str, Any], errors: _Errors, *, required: bool = False) -> s
     return role.strip()
 
 
-def _time(value: Any, where: str, errors: _Errors, now: float) -> float:
-    if value is None:
-        return now
-    if not _is_number(value) or not 0 <= value <= MAX_TIME:
-        errors.add(where, "must be a Unix time in seconds")
-        return now
-    return float(value)
-
-
 def parse_batch(token: RunToken, body: Any) -> Batch:
-    """Validate a reporter body ``{run, attempt, role, points: [...], events: [...]}`` (see runtime.reporting_http)."""
+    """Validate a reporter body ``{run, attempt, role, points: [...], events: [...]}`` against the contract's
+    schema (runtime.contract.IngestBatch), then what only the platform knows: the token's run and attempt,
+    and that the checkpoint paths events record lie inside the run's directory."""
     if not isinstance(body, dict):
         raise InvalidInput.one("body", "must be a JSON object")
     errors = _Errors()
     _check_scope(token, body, errors)
-    batch = Batch(role=_role(body, errors))
+    scope_problems = {e["field"] for e in errors.items}  # a bad attempt, named once
+    parsed, problems = read_batch(body)
+    for problem in problems:
+        if problem["field"] not in scope_problems:
+            errors.add(problem["field"], problem["message"])
+    if parsed is None:
+        errors.raise_any()
     now = timezone.now().timestamp()
-    points = body.get("points", [])
-    if not isinstance(points, list):
-        errors.add("points", "must be a list")
-        points = []
-    elif len(points) > MAX_POINTS:
-        errors.add("points", f"at most {MAX_POINTS} points per batch, got {len(points)}")
-        points = []
-    for i, point in enumerate(points):
-        where = f"points[{i}]"
-        if not isinstance(point, dict):
-            errors.add(where, "must be an object with step and metrics")
-            continue
-        step = point.get("step")
-        if not _is_int(step) or not 0 <= step <= MAX_STEP:
-            errors.add(f"{where}.step", "must be a non-negative integer")
-            continue
-        when = _time(point.get("time"), f"{where}.time", errors, now)
-        metrics = point.get("metrics")
-        if not isinstance(metrics, dict):
-            errors.add(f"{where}.metrics", "must be an object of name: number")
-            continue
-        if len(metrics) > MAX_METRICS_PER_POINT:
-            errors.add(f"{where}.metrics", f"at most {MAX_METRICS_PER_POINT} metrics per point")
-            continue
-        for name, value in metrics.items():
-            if not name or len(name) > MAX_NAME or _has_nul(name):
-                errors.add(f"{where}.metrics", f"metric names must have 1 to {MAX_NAME} characters (no NUL)")
-            elif value is not None and not _is_number(value):
-                errors.add(f"{where}.metrics.{name}", "must be a finite number or null")
+    batch = Batch(role=parsed.role)
+    for point in parsed.points:
         # The same step twice in one batch (two reporters' records, or a retry glued on): merge, first value wins.
-        earlier = batch.points.get(step)
+        earlier = batch.points.get(point.step)
         if earlier is None:
-            batch.points[step] = (when, dict(metrics))
+            batch.points[point.step] = (now if point.time is None else float(point.time), point.metrics)
         else:
-            for name, value in metrics.items():
+            for name, value in point.metrics.items():
                 earlier[1].setdefault(name, value)
-    events = body.get("events", [])
-    if not isinstance(events, list):
-        errors.add("events", "must be a list")
-        events = []
-    elif len(events) > MAX_EVENTS:
-        errors.add("events", f"at most {MAX_EVENTS} events per batch, got {len(events)}")
-        events = []
-    for i, event in enumerate(events):
-        where = f"events[{i}]"
-        if not isinstance(event, dict):
-            errors.add(where, "must be an object with seq and kind")
-            continue
-        seq, kind, payload = event.get("seq"), event.get("kind"), event.get("payload", {})
-        if not _is_int(seq) or not 0 <= seq <= MAX_STEP:
-            errors.add(f"{where}.seq", "must be a non-negative integer")
-        if not isinstance(kind, str) or not 1 <= len(kind) <= MAX_KIND:
-            errors.add(f"{where}.kind", f"must be a string of 1 to {MAX_KIND} characters")
-        if payload is None:
-            payload = {}
-        if not isinstance(payload, dict) or _has_nul(payload):
-            errors.add(f"{where}.payload", "must be an object (no NUL characters)")
-        else:
-            _check_checkpoint_paths(token, kind, payload, f"{where}.payload", errors)
-        when = _time(event.get("time"), f"{where}.time", errors, now)
-        batch.events.append({"seq": seq, "kind": kind, "payload": payload, "time": when})
+    for i, event in enumerate(parsed.events):
+        _check_checkpoint_paths(token, event.kind, event.payload, f"events[{i}].payload", errors)
+        when = now if event.time is None else float(event.time)
+        batch.events.append({"seq": event.seq, "kind": event.kind, "payload": event.payload, "time": when})
     errors.raise_any()
     return batch
 

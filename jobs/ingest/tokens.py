@@ -7,7 +7,7 @@ row, the SHA-256 of the whole token must match. As for API tokens
 A run's tokens are revoked when it ends (``REVOKED_AT``, by jobs.handler.transition),
 and a token of an ended run is refused even if a row escaped that (minted in a race
 with the end). What the ended attempt still had to say stays in its spool, which the
-platform stores itself when the role exits (jobs.launch.replay_spool, no HTTP).
+platform stores itself when the role exits (jobs.ingest.spool.replay_spool, no HTTP).
 """
 
 from __future__ import annotations

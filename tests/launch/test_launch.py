@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from jobs import commands, handler, launch
 from jobs.handler import InvalidInput
+from jobs.lifecycle import apply, events, files, watchdog
 from jobs.models import Allocation, MetricPoint, RunEvent, RunRole, RunToken
 from jobs.models import RoleState as R
 from jobs.states import RunState
@@ -32,9 +33,9 @@ def test_launch_places_the_trainer_on_the_runs_devices(experiment, submit, djang
     assert {h for h, _ in devices} == {role.host_id}
     assert (role.name, role.state, role.attempt, role.restarts) == ("trainer-0", R.PENDING, 0, 0)
     assert role.device_indices == sorted(i for _, i in devices)
-    assert role.workdir == str(launch.run_dir(run.pk))
+    assert role.workdir == str(files.run_dir(run.pk))
     assert len(sent) == 1  # the start task, to the host's queue, after commit
-    assert RunEvent.objects.filter(run=run, role=launch.PLATFORM_ROLE, kind="role_queued").count() == 1
+    assert RunEvent.objects.filter(run=run, role=events.PLATFORM_ROLE, kind="role_queued").count() == 1
     # Idempotent: a second launch (a redelivered launch task) changes nothing and sends nothing.
     again, sent_again = launch_captured(run, django_capture_on_commit_callbacks)
     assert again is None and sent_again == []
@@ -67,9 +68,9 @@ def launched(experiment, submit, django_capture_on_commit_callbacks):
 
 def _exit(role, code, log="", why="", capture=None):
     if capture is None:
-        return launch.role_exited(role.pk, role.attempt, code, log, why)
+        return apply.role_exited(role.pk, role.attempt, code, log, why)
     with capture(execute=False) as sent:
-        decision = launch.role_exited(role.pk, role.attempt, code, log, why)
+        decision = apply.role_exited(role.pk, role.attempt, code, log, why)
     return decision, start_tasks(sent)
 
 
@@ -115,7 +116,7 @@ def test_a_crash_restarts_the_trainer_until_the_budget_is_spent(launched, settin
     run.refresh_from_db()
     assert run.state == RunState.FAILED
     assert run.reason == "trainer-0 failed after 2 restarts: RuntimeError: out of memory"
-    kinds = list(RunEvent.objects.filter(run=run, role=launch.PLATFORM_ROLE).values_list("kind", flat=True))
+    kinds = list(RunEvent.objects.filter(run=run, role=events.PLATFORM_ROLE).values_list("kind", flat=True))
     assert kinds.count("role_restarted") == 2 and kinds.count("role_exited") == 3
 
 
@@ -146,10 +147,10 @@ def test_a_lost_host_requeues_the_run_and_the_watchdog_finds_it(launched, settin
     RunRole.objects.filter(pk=role.pk).update(supervised_at=long_ago)
     role.host.status = HostStatus.ONLINE
     role.host.save()
-    assert launch.watch()["lost"] == 0  # its agent is alive: a late supervisor is not a lost host
+    assert watchdog.watch()["lost"] == 0  # its agent is alive: a late supervisor is not a lost host
     role.host.status = HostStatus.LOST
     role.host.save()
-    assert launch.watch()["lost"] == 1
+    assert watchdog.watch()["lost"] == 1
     run.refresh_from_db()
     role.refresh_from_db()
     assert role.state == R.EXITED and role.message == f"host {role.host.name} lost"
@@ -164,7 +165,7 @@ def test_the_watchdog_resends_a_start_task_nobody_claimed(launched, settings, dj
     role.host.status = HostStatus.ONLINE
     role.host.save()
     with django_capture_on_commit_callbacks(execute=False) as sent:
-        counts = launch.watch()
+        counts = watchdog.watch()
     assert counts["resent"] == 1 and len(start_tasks(sent)) == 1
     role.refresh_from_db()
     assert (timezone.now() - role.queued_at).total_seconds() < 5
@@ -251,7 +252,7 @@ def test_checkpoint_records_follow_the_checkpoints_a_rollback_set_aside(run):
     from jobs.ingest.tokens import authenticate_run_token, mint_run_token
     from jobs.models import CheckpointRecord
 
-    root = f"{launch.run_dir(run.pk)}/checkpoints"  # records are accepted only inside the run's own directory
+    root = f"{files.run_dir(run.pk)}/checkpoints"  # records are accepted only inside the run's own directory
     for step in (2, 4, 6):
         CheckpointRecord.objects.create(run=run, step=step, path=f"{root}/step-{step:08d}")
     token = authenticate_run_token(mint_run_token(run, 0))

@@ -6,6 +6,7 @@ import pytest
 from django.utils import timezone
 
 from jobs import commands, handler, launch, preemption
+from jobs.lifecycle import apply
 from jobs.models import Command, RunRole
 from jobs.models import RoleState as R
 from jobs.states import RunState
@@ -51,7 +52,7 @@ def test_a_waiting_high_priority_run_preempts_and_then_gets_the_devices(
     assert preemption.preempt_for_waiting(group.pk) == []  # nor while its process exits after the ack
 
     role = RunRole.objects.get(run=victim)
-    decision = launch.role_exited(role.pk, role.attempt, 0, '{"outcome": "preempted", "steps": 7}\n')
+    decision = apply.role_exited(role.pk, role.attempt, 0, '{"outcome": "preempted", "steps": 7}\n')
     assert decision == "preempted"
     victim.refresh_from_db()
     waiting.refresh_from_db()

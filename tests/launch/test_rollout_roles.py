@@ -15,6 +15,8 @@ from django.utils import timezone
 
 from jobs import commands, handler, launch, placement, supervisor
 from jobs.ingest import handler as ingest
+from jobs.lifecycle import apply, files, watchdog
+from jobs.lifecycle.roles import superseded
 from jobs.models import Allocation, RunEvent, RunRole
 from jobs.models import RoleState as R
 from jobs.states import RunState
@@ -95,9 +97,9 @@ def running(two_hosts, owner, django_capture_on_commit_callbacks):
 def _exit(role, code, log="", why="", capture=None):
     role.refresh_from_db()
     if capture is None:
-        return launch.role_exited(role.pk, role.attempt, code, log, why), []
+        return apply.role_exited(role.pk, role.attempt, code, log, why), []
     with capture(execute=False) as sent:
-        decision = launch.role_exited(role.pk, role.attempt, code, log, why)
+        decision = apply.role_exited(role.pk, role.attempt, code, log, why)
     return decision, start_tasks(sent)
 
 
@@ -132,7 +134,7 @@ def test_launch_places_the_trainer_on_one_host_and_each_rollout_role_on_a_device
         "rollout-1": ("pair-h2", [0], R.PENDING, 0),
     }
     assert len(sent) == 3  # one start task per role, each to its host's queue, after commit
-    assert {r.workdir for r in roles.values()} == {str(launch.run_dir(run.pk))}  # one shared run directory
+    assert {r.workdir for r in roles.values()} == {str(files.run_dir(run.pk))}  # one shared run directory
     queued = RunEvent.objects.filter(run=run, kind="role_queued").values_list("payload", flat=True)
     assert sorted(p["role"] for p in queued) == ["rollout-0", "rollout-1", "trainer-0"]
 
@@ -164,7 +166,7 @@ def test_a_run_whose_first_trainer_host_fits_no_host_waits_in_the_queue(
 
 def test_a_rollout_role_runs_role_rollout_with_the_runs_shared_key(running, settings):
     run, roles = running(2)
-    path = launch.run_dir(run.pk) / "spec.yaml"
+    path = files.run_dir(run.pk) / "spec.yaml"
     assert supervisor._command(roles["rollout-1"], path)[1:] == [
         "-m",
         "runtime",
@@ -211,8 +213,8 @@ def test_start_role_runs_each_role_with_its_kind_and_the_runs_key(
     seen = {}
     for name, role in _roles(run).items():
         assert supervisor.start_role(role.pk, 0) == "started"
-        log = launch.role_dir(role) / "log"
-        wait_for(lambda role=role: (launch.role_dir(role) / "exit_code").exists(), f"{name} to exit")
+        log = files.role_dir(role) / "log"
+        wait_for(lambda role=role: (files.role_dir(role) / "exit_code").exists(), f"{name} to exit")
         seen[name] = json.loads(log.read_text().splitlines()[0])
     assert [seen["trainer-0"][0], seen["rollout-0"][0]] == ["trainer", "rollout"]
     trainer_env, rollout_env = seen["trainer-0"][1], seen["rollout-0"][1]
@@ -220,7 +222,7 @@ def test_start_role_runs_each_role_with_its_kind_and_the_runs_key(
     assert (rollout_env["TANDEM_ROLE"], rollout_env["TANDEM_ATTEMPT"]) == ("rollout-0", "0")
     assert rollout_env["TANDEM_HOST_ADDRESS"] == "127.0.0.1" and rollout_env["SECRET_KEY"] is None
     # One spec file in the run directory, written whole (no partial file left behind).
-    assert sorted(p.name for p in Path(launch.run_dir(run.pk)).iterdir()) == ["roles", "spec.yaml"]
+    assert sorted(p.name for p in Path(files.run_dir(run.pk)).iterdir()) == ["roles", "spec.yaml"]
 
 
 def test_a_run_without_remote_rollout_roles_gets_no_rollout_key(experiment, submit, django_capture_on_commit_callbacks):
@@ -280,7 +282,7 @@ def test_a_rollout_role_that_exits_zero_is_done_and_not_restarted(running, djang
         "role": "rollout-0",
         "attempt": 0,
     }
-    assert launch.role_exited(roles["rollout-0"].pk, 0, 0) == "ignored"  # reported twice: once only
+    assert apply.role_exited(roles["rollout-0"].pk, 0, 0) == "ignored"  # reported twice: once only
 
 
 def test_bad_input_of_a_rollout_role_fails_the_run_at_once(running):
@@ -339,18 +341,18 @@ def test_a_preempted_run_is_launched_again_once_its_earlier_rollout_roles_ended(
     assert launch_captured(run, django_capture_on_commit_callbacks) == (None, [])
     rollout0, rollout1 = roles["rollout-0"], roles["rollout-1"]
     rollout0.refresh_from_db()
-    assert launch.superseded(rollout0, run) is True
+    assert superseded(rollout0, run) is True
     assert supervisor.Supervisor(rollout0.host.name, 0.1)._should_stop(rollout0, timezone.now()) is True
 
     assert _exit(rollout0, 0, capture=django_capture_on_commit_callbacks) == ("superseded", [])
-    launch.run_dir(run.pk).mkdir(parents=True)
-    (launch.run_dir(run.pk) / launch.ENDPOINT_FILE).write_text('{"ended": true}')
+    files.run_dir(run.pk).mkdir(parents=True)
+    (files.run_dir(run.pk) / launch.ENDPOINT_FILE).write_text('{"ended": true}')
     with django_capture_on_commit_callbacks(execute=False) as sent_all:
-        decision = launch.role_exited(rollout1.pk, 0, 143)
+        decision = apply.role_exited(rollout1.pk, 0, 143)
     sent = start_tasks(sent_all)
     assert decision == "superseded" and len(sent) == 3  # the last one out launches every role again
     # The earlier trainer's run-ended marker goes before the new roles start (they would leave at once).
-    endpoint = launch.run_dir(run.pk) / launch.ENDPOINT_FILE
+    endpoint = files.run_dir(run.pk) / launch.ENDPOINT_FILE
     forget = [c for c in sent_all if "_forget_endpoint" in c.__qualname__]
     assert endpoint.exists() and len(forget) == 1
     assert sent_all.index(forget[0]) < sent_all.index(sent[0])  # after commit, before the start tasks
@@ -389,7 +391,7 @@ def test_a_freshly_launched_rollout_role_is_not_taken_for_a_leftover(
     launch_captured(run, django_capture_on_commit_callbacks)
     roles = _roles(run)
     assert _state(run) == RunState.ADMITTED
-    assert not any(launch.superseded(role, run) for role in roles.values())
+    assert not any(superseded(role, run) for role in roles.values())
     # A start that fails while the run is still ADMITTED is a failure of this admission: restarted.
     decision, sent = _exit(roles["rollout-0"], None, why="could not start", capture=django_capture_on_commit_callbacks)
     assert decision == "restarting" and len(sent) == 1
@@ -410,7 +412,7 @@ def test_a_lost_host_requeues_the_run_and_every_live_attempt_of_it_ends(
     h2.save()
 
     with django_capture_on_commit_callbacks(execute=False):
-        assert launch.watch()["lost"] == 1
+        assert watchdog.watch()["lost"] == 1
     rollout = RunRole.objects.get(pk=roles["rollout-0"].pk)
     assert (rollout.state, rollout.message, rollout.restarts) == (R.EXITED, "host pair-h2 lost", 1)
     run.refresh_from_db()
@@ -580,7 +582,7 @@ def test_a_remote_evaluator_gets_a_device_and_a_role_of_its_own(two_hosts, owner
         "evaluator": ("pair-h2", [0]),
     }
     assert len(sent) == 3
-    path = launch.run_dir(run.pk) / "spec.yaml"
+    path = files.run_dir(run.pk) / "spec.yaml"
     assert supervisor._command(roles["evaluator"], path)[4] == "evaluator"
     env = supervisor._role_env(run, roles["evaluator"], "tdr_x")
     assert env["TANDEM_ROLLOUT_KEY"] == supervisor.rollout_key(run.pk) and env["TANDEM_ROLE"] == "evaluator"

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from jobs import commands, handler, launch, supervisor
+from jobs.lifecycle import files
 from jobs.models import RoleState as R
 from jobs.states import RunState
 from tests.launch.helpers import wait_for
@@ -87,7 +88,7 @@ def _host_supervisor(role) -> supervisor.Supervisor:
 
 
 def _exited(role) -> bool:
-    return (launch.role_dir(role) / "exit_code").exists()
+    return (files.role_dir(role) / "exit_code").exists()
 
 
 def test_start_claims_once_and_gives_the_role_its_environment_and_spec(stand_in, admitted_role, monkeypatch, owner):
@@ -103,7 +104,7 @@ def test_start_claims_once_and_gives_the_role_its_environment_and_spec(stand_in,
     assert role.state == R.RUNNING and role.pid and role.claimed_by == supervisor.worker_id()
     assert run.state == RunState.STARTING
     wait_for(lambda: _exited(role), "the stand-in to exit")
-    env = json.loads((launch.role_dir(role) / "log").read_text().splitlines()[0])
+    env = json.loads((files.role_dir(role) / "log").read_text().splitlines()[0])
     assert env["TANDEM_RUN_TOKEN"].startswith("tdr_")
     assert (env["TANDEM_RUN_ID"], env["TANDEM_ATTEMPT"], env["TANDEM_ROLE"]) == (str(run.pk), "0", "trainer-0")
     assert env["DATABASE_URL"] is None and env["SECRET_KEY"] is None  # the platform's secrets stay home
@@ -142,7 +143,7 @@ def test_the_processes_of_a_cancelled_run_are_stopped(stand_in, admitted_role):
     sup = _host_supervisor(role)
     handler.cancel_run(None, run)
     assert sup.pass_once()["killed"] == 1  # SIGTERM to the role's process group
-    wait_for(lambda: not supervisor.process_alive(role.pid, str(launch.role_dir(role))), "the process group to end")
+    wait_for(lambda: not supervisor.process_alive(role.pid, str(files.role_dir(role))), "the process group to end")
     sup.pass_once()
     role.refresh_from_db()
     run.refresh_from_db()
@@ -154,7 +155,7 @@ def test_a_live_process_that_stopped_heartbeating_is_killed_as_hung(stand_in, ad
     run, role = admitted_role
     supervisor.start_role(role.pk, 0)
     role.refresh_from_db()
-    hung_pid, hung_dir = role.pid, str(launch.role_dir(role))
+    hung_pid, hung_dir = role.pid, str(files.role_dir(role))
     sup = _host_supervisor(role)
     assert sup.pass_once()["renewed"] == 1  # alive, and not yet silent for long: left alone
     settings.TANDEM_ROLE_HANG_S = 1.0
@@ -172,7 +173,7 @@ def test_a_vanished_process_is_reported_without_an_exit_code(stand_in, admitted_
     supervisor.start_role(role.pk, 0)
     role.refresh_from_db()
     os.killpg(role.pid, signal.SIGKILL)  # wrapper and role together: nobody writes exit_code
-    wait_for(lambda: not supervisor.process_alive(role.pid, str(launch.role_dir(role))), "the group to die")
+    wait_for(lambda: not supervisor.process_alive(role.pid, str(files.role_dir(role))), "the group to die")
     assert _host_supervisor(role).pass_once()["exited"] == 1
     role.refresh_from_db()
     assert role.message == "restarting after: the process vanished"
@@ -186,7 +187,7 @@ def test_an_exit_written_between_the_supervisors_two_looks_keeps_its_code(stand_
     run, role = admitted_role
     supervisor.start_role(role.pk, 0)
     role.refresh_from_db()
-    directory = launch.role_dir(role)
+    directory = files.role_dir(role)
     os.killpg(role.pid, signal.SIGKILL)
     wait_for(lambda: not supervisor.process_alive(role.pid, str(directory)), "the group to die")
     real_alive = supervisor.process_alive
@@ -218,10 +219,11 @@ def test_a_fork_starts_from_its_parent_checkpoints_policy_and_never_outside_the_
     assert supervisor._role_spec(run, role)["model"].get("path") == own
 
 
-def test_the_role_leaves_checkpoint_retention_to_the_platform(admitted_role):
+def test_the_role_spec_keeps_the_runs_own_checkpoint_retention(admitted_role):
     run, role = admitted_role
-    assert run.resolved_spec["checkpoint"]["keep_last"] == 3
     # jobs.checkpoints.apply_retention deletes by the run's keep_last, sparing pinned checkpoints, fork
-    # parents and pending rollback targets; the runtime keeps everything it writes
-    assert supervisor._role_spec(run, role)["checkpoint"]["keep_last"] == supervisor.KEEP_EVERY_CHECKPOINT
-    assert run.resolved_spec["checkpoint"]["keep_last"] == 3  # the stored spec is untouched
+    # parents and pending rollback targets; the managed trainer role turns the runtime's own rotation off
+    # (tests/runtime/test_contract.py), so the role's spec carries the user's value unchanged
+    assert (
+        supervisor._role_spec(run, role)["checkpoint"]["keep_last"] == run.resolved_spec["checkpoint"]["keep_last"] == 3
+    )

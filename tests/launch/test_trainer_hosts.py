@@ -13,7 +13,9 @@ import datetime
 import pytest
 from django.utils import timezone
 
-from jobs import handler, launch, placement, supervisor
+from jobs import handler, placement, supervisor
+from jobs.lifecycle import apply, files
+from jobs.lifecycle.roles import role_names
 from jobs.models import RoleState as R
 from jobs.models import RunEvent, RunRole
 from jobs.states import RunState
@@ -90,7 +92,7 @@ def test_launch_gives_each_host_of_the_trainer_ranks_a_role(experiment, owner, d
         "trainer-0": ("cpu-local-h1", [0, 1, 2, 3], R.PENDING),
         "trainer-1": ("cpu-local-h2", [0, 1], R.PENDING),
     }
-    assert launch.role_names(run) == ["trainer-0", "trainer-1"]
+    assert role_names(run) == ["trainer-0", "trainer-1"]
 
 
 def test_each_trainer_role_starts_with_its_ranks_at_the_leaders_rendezvous(
@@ -110,7 +112,7 @@ def test_each_trainer_role_starts_with_its_ranks_at_the_leaders_rendezvous(
     assert leader["MASTER_PORT"] == follower["MASTER_PORT"]
     assert "TANDEM_RANKS" not in leader and "TANDEM_LOCAL_RANKS" not in follower
     assert follower["TANDEM_ROLE"] == "trainer-1"
-    path = launch.run_dir(run.pk) / "spec.yaml"
+    path = files.run_dir(run.pk) / "spec.yaml"
     assert supervisor._command(roles["trainer-1"], path)[4] == "trainer-ranks"
     assert supervisor._command(roles["trainer-0"], path)[4] == "trainer"
 
@@ -127,7 +129,7 @@ def test_a_trainer_on_one_host_gets_no_rank_split(experiment, owner, django_capt
 
 def _exit(run, name: str, code: int | None, why: str = "") -> str:
     role = RunRole.objects.get(run=run, name=name)
-    return launch.role_exited(role.pk, role.attempt, code, why=why)
+    return apply.role_exited(role.pk, role.attempt, code, why=why)
 
 
 def _snapshot(run) -> dict[str, tuple]:
@@ -201,7 +203,7 @@ def test_bad_input_of_a_further_trainer_role_fails_the_run_at_once(spanning):
     run = spanning
     role = RunRole.objects.get(run=run, name="trainer-1")
     tail = "error: TANDEM_RANKS: '0-1' includes rank 0, which is trainer-0's\n"
-    assert launch.role_exited(role.pk, 0, 2, tail) == "failed"
+    assert apply.role_exited(role.pk, 0, 2, tail) == "failed"
     run.refresh_from_db()
     assert run.state == RunState.FAILED
     assert run.reason == "trainer-1 rejected its input: TANDEM_RANKS: '0-1' includes rank 0, which is trainer-0's"

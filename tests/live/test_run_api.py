@@ -210,7 +210,7 @@ def test_set_params_by_viewer_is_403_and_records_nothing(run, viewer, api_as):
 
 
 def test_roles_table_shows_launched_roles_with_their_log_tail(run, viewer, api_as, settings, tmp_path):
-    from jobs import launch
+    from jobs.lifecycle import files
     from jobs.models import RunRole
 
     settings.TANDEM_CHECKPOINT_ROOT = tmp_path
@@ -223,9 +223,9 @@ def test_roles_table_shows_launched_roles_with_their_log_tail(run, viewer, api_a
         attempt=1,
         restarts=1,
         state="running",
-        workdir=str(launch.run_dir(run.pk)),
+        workdir=str(files.run_dir(run.pk)),
     )
-    log = launch.role_dir(role) / "log"
+    log = files.role_dir(role) / "log"
     log.parent.mkdir(parents=True)
     log.write_text("x" * 10_000 + "step 7 done\n")
     RoleHeartbeat.objects.create(run=run, role="trainer-0", attempt=1, status="paused", info={})

@@ -320,6 +320,17 @@ def test_keep_best_min_mode_and_checkpoints_without_the_metric(tmp_path):
     assert entries(tmp_path) == ["step-00000002", "step-00000004"]
 
 
+def test_without_rotation_saves_delete_nothing_and_retention_stays_on_call(tmp_path):
+    # A platform-managed run: the platform applies the same policy (runtime.contract.retained) itself.
+    mgr = CheckpointManager(tmp_path, keep_last=1, keep_best_metric="loss", keep_best_mode="min", rotate=False)
+    for step, loss in ((1, 0.5), (2, 0.1), (3, 0.7)):
+        mgr.save(step, {"s": step}, metrics={"loss": loss})
+    assert entries(tmp_path) == ["step-00000001", "step-00000002", "step-00000003"]
+    assert mgr.best().step == 2
+    assert mgr.apply_retention() == [tmp_path / "step-00000001"]
+    assert entries(tmp_path) == ["step-00000002", "step-00000003"]
+
+
 def test_bad_manager_arguments():
     with pytest.raises(CheckpointError, match="keep_last must be >= 1, got 0"):
         CheckpointManager("x", keep_last=0)

@@ -219,6 +219,7 @@ def test_a_link_changed_after_submit_is_refused_when_the_role_starts(
     """The paths are checked again when a role starts: a link under the team's data root, re-pointed into
     another team's run after the submit, fails the run as bad input and starts no process."""
     from jobs import launch, supervisor
+    from jobs.lifecycle import files
     from jobs.models import RoleState
     from jobs.states import RunState
 
@@ -240,7 +241,7 @@ def test_a_link_changed_after_submit_is_refused_when_the_role_starts(
     assert run.state == RunState.FAILED
     assert run.reason == f"trainer-0 rejected its input: model.path: {OUTSIDE_TEAM}"
     assert (role.state, role.exit_code, role.pid, role.restarts) == (RoleState.EXITED, 2, None, 0)
-    assert not (launch.role_dir(role) / "pid").exists()
+    assert not (files.role_dir(role) / "pid").exists()
 
 
 def test_the_shared_model_root_the_teams_data_roots_and_its_own_runs_are_readable(

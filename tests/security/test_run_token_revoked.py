@@ -5,7 +5,7 @@ were still stored. Now jobs.handler.transition revokes the run's tokens when it
 reaches COMPLETED, FAILED or CANCELLED, and ingest refuses any token of such a
 run. What the runtime still reports after that (its last step, its final
 checkpoint) stays in its spool and is stored by the platform itself when the
-role exits (jobs.launch.replay_spool), so an ended run loses nothing.
+role exits (jobs.ingest.spool.replay_spool), so an ended run loses nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from jobs import commands, handler, launch
+from jobs import commands, handler
 from jobs.ingest.tokens import mint_run_token
+from jobs.lifecycle import apply
 from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, RunRole, RunToken
 from jobs.models import RoleState as R
 from jobs.states import RunState
@@ -140,7 +141,7 @@ def test_a_stopped_runs_last_records_refused_over_http_are_stored_from_its_spool
     assert sorted(MetricPoint.objects.filter(run=run).values_list("step", flat=True)) == [1]
     assert not CheckpointRecord.objects.filter(run=run).exists()
     # Then when the trainer exits, the platform stores them from its spool
-    assert launch.role_exited(role.pk, 0, 0, '{"outcome": "stopped", "steps": 2}\n') == "ended"
+    assert apply.role_exited(role.pk, 0, 0, '{"outcome": "stopped", "steps": 2}\n') == "ended"
     assert sorted(MetricPoint.objects.filter(run=run).values_list("step", "metrics")) == [
         (1, {"reward/mean": 0.1}),
         (2, {"reward/mean": 0.2}),
