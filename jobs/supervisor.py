@@ -25,8 +25,8 @@ restarted worker adopts the roles its predecessor started:
 * the process is gone without one -> ``role_exited(None)``;
 * another trainer role of its run failed (``stop_requested``: the trainer roles
   restart together), or the run stopped being active (cancelled, stopped, failed) more than
-  ``STOP_GRACE_S`` ago (``ROLLOUT_STOP_GRACE_S`` for a rollout or evaluator role: it has
-  nothing to save) and the process still lives, or the attempt is left from an
+  ``STOP_GRACE_S`` ago (a rollout or evaluator role: ``ROLLOUT_STOP_GRACE_S`` after trainer-0,
+  which releases it as it shuts down, exited — it has nothing to save) and the process still lives, or the attempt is left from an
   earlier admission of the run (``jobs.lifecycle.roles.superseded``) -> SIGTERM to its
   process group, SIGKILL ``KILL_GRACE_S`` later;
 * the process lives but its runtime has not heartbeated for ``TANDEM_ROLE_HANG_S``
@@ -193,6 +193,16 @@ def _trainer_group_env(run: Run, role: RunRole) -> dict[str, str]:
     leader = Host.objects.get(pk=placed[TRAINER_ROLE][0])
     variable = ENV_LOCAL_RANKS if role.name == TRAINER_ROLE else ENV_RANKS
     return {variable: f"{mine.start}-{mine.stop - 1}", "MASTER_ADDR": leader.address or leader.name}
+
+
+def _trainer_exited_at(run: Run):
+    """When trainer-0's latest attempt exited, or None while it lives."""
+    return (
+        RunRole.objects.filter(run=run, name=TRAINER_ROLE, state=R.EXITED)
+        .order_by("-attempt")
+        .values_list("exited_at", flat=True)
+        .first()
+    )
 
 
 def rollout_key(run_id: int) -> str:
@@ -362,9 +372,18 @@ class Supervisor:
             return True
         if RunState(run.state) in ACTIVE_STATES:
             return superseded(role, run)  # its run was admitted again: a new attempt replaces it
+        if run.state == RunState.CANCELLED:
+            return True
         ended = run.finished_at or run.updated_at
-        grace = ROLLOUT_STOP_GRACE_S if connects_to_trainer(role.name) else STOP_GRACE_S
-        return ended is None or (now - ended).total_seconds() >= grace or run.state == RunState.CANCELLED
+        if ended is None:
+            return True
+        if connects_to_trainer(role.name):
+            # trainer-0 releases it when it shuts down, which may be well after the run's end (its last
+            # checkpoint and export): the short grace counts from that release, not from the run's end
+            released = _trainer_exited_at(run)
+            if released is not None:
+                return (now - released).total_seconds() >= ROLLOUT_STOP_GRACE_S
+        return (now - ended).total_seconds() >= STOP_GRACE_S
 
     def _terminate(self, role: RunRole, done: dict[str, int]) -> None:
         key = (role.pk, role.attempt)

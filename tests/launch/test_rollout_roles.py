@@ -325,6 +325,26 @@ def test_the_runs_end_follows_the_trainer_and_ends_the_rollout_roles(running):
     assert _state(run) == RunState.COMPLETED
 
 
+def test_a_rollout_roles_short_grace_counts_from_the_trainers_exit_not_the_runs_end(running):
+    """A stop is acknowledged (the run is COMPLETED) before trainer-0 shuts down and releases its rollout
+    roles; on a loaded machine that takes longer than a rollout role's grace, which must not run out first."""
+    run, roles = running(1)
+    handler.transition(run, RunState.COMPLETED)  # the stop's acknowledgement; trainer-0 still shutting down
+    rollout, trainer = roles["rollout-0"], roles["trainer-0"]
+    rollout.refresh_from_db()
+    sup = supervisor.Supervisor(rollout.host.name, 0.1)
+    ended = timezone.now()
+    past_short = ended + datetime.timedelta(seconds=supervisor.ROLLOUT_STOP_GRACE_S + 0.5)
+    assert sup._should_stop(rollout, past_short) is False  # not released yet: trainer-0 lives
+    past_long = ended + datetime.timedelta(seconds=supervisor.STOP_GRACE_S + 0.5)
+    assert sup._should_stop(rollout, past_long) is True  # nor waited for beyond the trainer's own grace
+    assert _exit(trainer, 0, '{"outcome": "stopped", "steps": 3}\n')[0] == "ended"
+    trainer.refresh_from_db()
+    assert sup._should_stop(rollout, trainer.exited_at) is False  # released now: a moment to exit by itself
+    later = trainer.exited_at + datetime.timedelta(seconds=supervisor.ROLLOUT_STOP_GRACE_S + 0.5)
+    assert sup._should_stop(rollout, later) is True
+
+
 # --- a requeued run: every role of the new admission, none of the old ----------------------------------
 
 
