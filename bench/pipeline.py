@@ -61,7 +61,7 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.evaluator import evaluate  # noqa: E402
+from runtime.evaluation.evaluator import evaluate  # noqa: E402
 from runtime.metrics import read_jsonl  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
 from runtime.pipeline import run, thread_plan  # noqa: E402
@@ -187,7 +187,7 @@ def main() -> None:
         out = Path(tmp)
         model_dir = None
         if args.sft_steps:
-            from runtime.sft import run_sft
+            from runtime.train.sft import run_sft
 
             model_dir = out / "sft"
             run_sft(load_spec(base_spec(args, out, None)), args.sft_steps, model_dir)

@@ -41,13 +41,13 @@ class UsageError(Exception):
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (imported lazily: ``validate`` needs no torch)."""
-    from runtime.algos import AlgorithmError
     from runtime.checkpoint import CheckpointError
     from runtime.devices import DeviceError
     from runtime.models import ModelError
     from runtime.role import RoleInputError
     from runtime.tasks import TaskError
-    from runtime.trainer import TrainerError
+    from runtime.train.algos import AlgorithmError
+    from runtime.train.trainer import TrainerError
 
     # Every error class the runtime raises for what it was given (spec, dataset rows, model directory,
     # tokenizer, checkpoint, device): the platform fails the run once on exit 2 and blames no host.
@@ -66,10 +66,10 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
-    from runtime.algos import get_algorithm
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
     from runtime.roles import trainer_devices_here
+    from runtime.train.algos import get_algorithm
 
     resolve_device(spec.resources.device, 0)
     if spec.resources.device != "cpu":  # this host's devices: its trainer ranks, rollout devices, evaluator
@@ -124,7 +124,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from runtime.sft import run_sft
+    from runtime.train.sft import run_sft
 
     spec = load_spec(args.spec, args.overrides)
     preflight(spec)
@@ -151,7 +151,7 @@ def _eval_spec(args: argparse.Namespace) -> tuple[RunSpec, Path]:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device, set_threads
-    from runtime.evaluator import evaluate
+    from runtime.evaluation.evaluator import evaluate
     from runtime.models import build_policy
     from runtime.roles import build_engine, build_task
 
@@ -174,8 +174,8 @@ def _serve_the_trainer(args: argparse.Namespace, make: Callable[[Any, Callable[[
     ``make(spec, log)`` builds it (a remote rollout instance, the remote evaluator)."""
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RolloutRefused, endpoint_path
+    from runtime.rollout.link import env_key
+    from runtime.rollout.remote import RolloutRefused, endpoint_path
 
     spec = load_spec(args.spec, args.overrides)
     resolve_device(spec.resources.device, 0)
@@ -189,13 +189,13 @@ def _serve_the_trainer(args: argparse.Namespace, make: Callable[[Any, Callable[[
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from runtime.rollout_remote import RemoteInstance
+    from runtime.rollout.remote import RemoteInstance
 
     return _serve_the_trainer(args, lambda spec, log: RemoteInstance(spec, args.index, log=log))
 
 
 def _cmd_evaluator(args: argparse.Namespace) -> int:
-    from runtime.evaluator_remote import EvaluatorProcess, require_remote
+    from runtime.evaluation.remote import EvaluatorProcess, require_remote
 
     def make(spec: Any, log: Callable[[str], None]) -> EvaluatorProcess:
         require_remote(spec)
@@ -207,7 +207,7 @@ def _cmd_evaluator(args: argparse.Namespace) -> int:
 def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device
     from runtime.pipeline import thread_plan
-    from runtime.trainer_group import TrainerGroupError, parse_ranks, serve_ranks
+    from runtime.train.group import TrainerGroupError, parse_ranks, serve_ranks
 
     spec = load_spec(args.spec, args.overrides)
     try:

@@ -7,9 +7,9 @@
   optimizer state offloaded to host memory while generating.
 * ``async`` — ``resources.rollout_workers`` rollout processes (spawned, each
   with its own engine, threads, work queue and result pipe) generate
-  continuously into the bounded :class:`~runtime.queue.SampleQueue` while the
+  continuously into the bounded :class:`~runtime.sample_queue.SampleQueue` while the
   trainer trains; weights reach them through the shared-memory
-  :class:`~runtime.weights.WeightService`. A sample whose oldest token is more
+  :class:`~runtime.weights.service.WeightService`. A sample whose oldest token is more
   than ``max_policy_lag`` versions behind the trainer when it is consumed is
   never trained on: ``throttle`` keeps it from being generated (work items
   carry the oldest version allowed to generate them), ``drop`` discards and
@@ -26,7 +26,7 @@ checkpoints, reporters, evaluation and the step boundary with its
 directives — is :class:`RunContext` here.
 
 The driver only calls roles (``runtime.roles``: prompt source, rollout
-worker; ``runtime.trainer``; ``runtime.evaluator``) and never looks inside a
+worker; ``runtime.train.trainer``; ``runtime.evaluation.evaluator``) and never looks inside a
 sample. Every ``checkpoint.interval`` steps (and at the end) the full state
 is saved: trainer (policy, critic, optimizers, schedulers), RNG states, data
 cursor, the queue's contents and the prompts in flight, weight version, step
@@ -54,7 +54,7 @@ import yaml
 from runtime import metrics as M
 from runtime.contract import live_param_problems
 from runtime.control import Control, Directive
-from runtime.evaluator import evaluate
+from runtime.evaluation.evaluator import evaluate
 from runtime.roles import (
     PromptSource,
     build_models,
@@ -62,7 +62,7 @@ from runtime.roles import (
 )
 from runtime.samples import Sample
 from runtime.spec import RunSpec
-from runtime.weights import WeightService
+from runtime.weights.service import WeightService
 
 CHECKPOINT_DIR = "checkpoints"
 REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: checkpoints of a timeline a rollback abandoned
@@ -138,7 +138,7 @@ class RunContext:
     ):
         from runtime.checkpoint import CheckpointManager, load_checkpoint
         from runtime.devices import manual_seed_all, resolve_device, set_threads
-        from runtime.trainer import Trainer
+        from runtime.train.trainer import Trainer
 
         spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
         self.spec = spec
@@ -200,11 +200,11 @@ class RunContext:
 
     def _build_trainer(self, trainer_cls: Any) -> Any:
         """This process's trainer; with ``resources.trainer_devices`` > 1 the leader of a data-parallel
-        group of trainer ranks (:mod:`runtime.trainer_group`)."""
+        group of trainer ranks (:mod:`runtime.train.group`)."""
         m = self.models
         if self.spec.resources.trainer_devices == 1:
             return trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic)
-        from runtime.trainer_group import TrainerGroup, start_group
+        from runtime.train.group import TrainerGroup, start_group
 
         group, followers = start_group(self.spec, self.trainer_threads)
         try:

@@ -1,9 +1,9 @@
 """The ``async`` mode: rollout instances generate into the sample queue while the trainer trains.
 
-Each rollout instance (a spawned process, :mod:`runtime.rollout_instance`: its own engine with
+Each rollout instance (a spawned process, :mod:`runtime.rollout.instance`: its own engine with
 continuous batching, threads, work queue and result pipe) takes groups the trainer issues while the
 queue has room for them (credits), and gets weights from the shared-memory weight service. The
-trainer's length-aware dispatch (:mod:`runtime.scheduler`) sends each group to the active instance
+trainer's length-aware dispatch (:mod:`runtime.rollout.scheduling`) sends each group to the active instance
 with the smallest estimated completion time — queued predicted tokens over measured tokens/s — so
 long and short prompts spread evenly; the number of active instances follows the queue watermark
 (dynamic parallelism). Every group carries a ticket: a result whose ticket the trainer no longer
@@ -26,13 +26,12 @@ import torch
 
 from runtime import metrics as M
 from runtime.contract import ENDPOINT_FILE, EVALUATOR_ROLE
-from runtime.evaluator import BackgroundEvaluator
-from runtime.evaluator_remote import RemoteEvaluator
+from runtime.evaluation.evaluator import BackgroundEvaluator
+from runtime.evaluation.remote import RemoteEvaluator
 from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
-from runtime.queue import QueueClosed, SampleQueue
 from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
-from runtime.rollout_instance import rollout_process, shm_prefix
-from runtime.rollout_link import (
+from runtime.rollout.instance import rollout_process, shm_prefix
+from runtime.rollout.link import (
     Endpoint,
     RemotePeer,
     RolloutListener,
@@ -42,10 +41,11 @@ from runtime.rollout_link import (
     spec_digest,
     write_endpoint,
 )
+from runtime.rollout.scheduling import BubbleMeter, Dispatcher, InstanceScaler, LengthPredictor
+from runtime.rollout.transfer import ShmCourier, sweep
+from runtime.sample_queue import QueueClosed, SampleQueue
 from runtime.samples import Sample
-from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler, LengthPredictor
-from runtime.transfer import ShmCourier, sweep
-from runtime.weights import WeightService
+from runtime.weights.service import WeightService
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class _Slot:
     last_seen: float = field(default_factory=time.monotonic)  # its last message (heartbeats included)
     ready: bool = False  # it has built its engine (start-up, which may load a large model, is not timed)
     hung: bool = False  # killed for silence
-    remote: bool = False  # a remote instance: ``proc`` and ``work_q`` are its RemotePeer (runtime.rollout_link)
+    remote: bool = False  # a remote instance: ``proc`` and ``work_q`` are its RemotePeer (runtime.rollout.link)
 
 
 class _AsyncState:
@@ -138,7 +138,7 @@ class _AsyncState:
                     self.queue.close()
 
     def _handle(self, slot: _Slot, kind: str, rank: int, payload: Any) -> None:
-        from runtime.queue import unpack_samples
+        from runtime.sample_queue import unpack_samples
 
         if kind == "samples":
             ref, info = payload
@@ -324,7 +324,7 @@ class AsyncMode:
             ]
         return status
 
-    # ---- remote instances (runtime.rollout_link) ----
+    # ---- remote instances (runtime.rollout.link) ----
     def listen(self) -> None:
         """Accept remote instances; their endpoint goes to the output directory (shared with their hosts)."""
         import secrets
@@ -404,7 +404,7 @@ class AsyncMode:
         if self.ctx.spec.pipeline.remote_weight_sync != "broadcast":
             return None
         from runtime.devices import dist_backend
-        from runtime.weight_broadcast import BroadcastSender
+        from runtime.weights.broadcast import BroadcastSender
 
         spec = self.ctx.spec
         return BroadcastSender(dist_backend(spec.resources.device), self.ctx.device, spec.rollout.hang_timeout_s)

@@ -15,11 +15,11 @@ import torch
 
 from runtime import metrics as M
 from runtime.pipeline import PipelineError, RunContext, pack_queue
-from runtime.queue import SampleQueue
 from runtime.roles import (
     RolloutWorker,
     build_engine,
 )
+from runtime.sample_queue import SampleQueue
 
 REWARD_ROUNDS = 3  # rounds of fresh prompts a step asks for while the reward service drops groups
 

@@ -480,10 +480,10 @@ def rollout_index(role: str) -> int:
 
 
 def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
-    """One attempt of a remote rollout instance (runtime.rollout_remote) under the platform: it finds the
+    """One attempt of a remote rollout instance (runtime.rollout.remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RemoteInstance, RolloutRefused
+    from runtime.rollout.link import env_key
+    from runtime.rollout.remote import RemoteInstance, RolloutRefused
 
     index = rollout_index(env.role)
 
@@ -498,11 +498,11 @@ def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
 
 
 def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
-    """One attempt of the remote evaluator (runtime.evaluator_remote) under the platform: it finds the
+    """One attempt of the remote evaluator (runtime.evaluation.remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
-    from runtime.evaluator_remote import EvaluatorProcess, require_remote
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RolloutRefused
+    from runtime.evaluation.remote import EvaluatorProcess, require_remote
+    from runtime.rollout.link import env_key
+    from runtime.rollout.remote import RolloutRefused
 
     try:
         require_remote(spec)  # before any heartbeat: bad input is one line
@@ -520,7 +520,7 @@ def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
 
 def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
     """The ranks a further trainer role runs, from ``TANDEM_RANKS`` (``first-last``, rank 0 excluded)."""
-    from runtime.trainer_group import TrainerGroupError, parse_ranks
+    from runtime.train.group import TrainerGroupError, parse_ranks
 
     text = environ.get(ENV_RANKS, "").strip()
     if not text:
@@ -538,10 +538,10 @@ def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
 
 
 def run_trainer_ranks(spec: RunSpec, env: RoleEnv, ranks: range) -> int:
-    """One attempt of trainer ranks on a further host (runtime.trainer_group.serve_ranks): they meet
+    """One attempt of trainer ranks on a further host (runtime.train.group.serve_ranks): they meet
     trainer-0 at ``MASTER_ADDR`` / ``MASTER_PORT`` and follow it until it stops them (exit 0) or fails."""
     from runtime.pipeline import thread_plan
-    from runtime.trainer_group import TrainerGroupError, serve_ranks
+    from runtime.train.group import TrainerGroupError, serve_ranks
 
     def work(changed: Callable[[str], None]) -> int:
         changed("running")

@@ -203,8 +203,8 @@ class Models:
 
 def build_models(spec: RunSpec, device: torch.device) -> Models:
     """The trainer's models: policy + tokenizer, a frozen reference when the KL penalty needs it, a critic for PPO."""
-    from runtime.algos import get_algorithm
     from runtime.models import ValueModel, build_policy
+    from runtime.train.algos import get_algorithm
 
     policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
     ref = None
@@ -250,8 +250,8 @@ def from_bytes(blob: bytes) -> Any:
 
 def trainer_devices_here(spec: RunSpec) -> int:
     """Trainer ranks on this host: all of them, or those ``TANDEM_LOCAL_RANKS`` names (the others run on
-    other hosts, runtime.trainer_group); this host's rollout and evaluator devices come after them."""
-    from runtime.trainer_group import local_ranks
+    other hosts, runtime.train.group); this host's rollout and evaluator devices come after them."""
+    from runtime.train.group import local_ranks
 
     return len(local_ranks(spec.resources.trainer_devices))
 
@@ -270,7 +270,7 @@ def eval_device_index(spec: RunSpec) -> int | None:
 
 
 STOP, EPOCH = 0, 1  # indices into the shared flags of the rollout processes (a lock-free RawArray)
-# the rollout process itself: runtime.rollout_instance
+# the rollout process itself: runtime.rollout.instance
 
 
 class ConsistencyProbe:

@@ -223,7 +223,10 @@ def test_set_params_keeps_the_warmup_schedule_on_the_new_base_rate(tmp_path):
             {"pipeline.eval_interval": 2, "pipeline.max_policy_lag": -1},
             "args.params.pipeline.max_policy_lag: must be an integer >= 0, got -1",
         ),
-        ({"pipeline.max_policy_lag": 1001}, "args.params.pipeline.max_policy_lag: Input should be less than or equal to 1000"),
+        (
+            {"pipeline.max_policy_lag": 1001},
+            "args.params.pipeline.max_policy_lag: Input should be less than or equal to 1000",
+        ),
         (
             {"trainer.lr": 0.1, "pipeline.eval_interval": True},
             "args.params.pipeline.eval_interval: must be an integer >= 0, got True",

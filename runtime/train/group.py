@@ -3,7 +3,7 @@
 With ``resources.trainer_devices = N > 1`` the run starts N-1 follower processes (spawned, one device
 each: trainer rank r uses device index r) that join a torch.distributed process group with the
 leader (gloo on CPU, NCCL on CUDA, HCCL on Ascend). Everything the pipeline does with its trainer
-goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~runtime.trainer.Trainer`:
+goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~runtime.train.trainer.Trainer`:
 
 - ``train_step(samples, step)`` — *hierarchical transfer*: only the leader takes the step's batch
   from the sample queue (so the queue's load does not grow with the number of ranks); it cuts the
@@ -45,8 +45,6 @@ from runtime.samples import Sample
 
 class TrainerGroupError(RuntimeError):
     """A trainer rank failed or cannot be reached."""
-
-
 
 
 def parse_ranks(text: str, world: int, what: str) -> range:
@@ -261,7 +259,7 @@ def follower_process(rank: int, world: int, init: str, spec_data: dict, threads:
     from runtime.devices import dist_backend, manual_seed_all, resolve_device, set_threads
     from runtime.roles import build_models
     from runtime.spec import validate_spec
-    from runtime.trainer import Trainer
+    from runtime.train.trainer import Trainer
 
     try:
         set_threads(threads)

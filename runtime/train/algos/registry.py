@@ -4,7 +4,7 @@ An :class:`Algorithm` is two callables plus two flags:
 
 - ``loss_fn(batch: PolicyBatch, config: AlgorithmSpec) -> (loss [B, T], metrics)``:
   the per-token policy loss of one micro-batch (the trainer aggregates it with
-  :func:`runtime.algos.core.aggregate_loss`, so accumulation and data
+  :func:`runtime.train.algos.core.aggregate_loss`, so accumulation and data
   parallelism stay exact whatever the loss is). ``metrics`` maps names to
   per-token ``[B, T]`` tensors; the trainer reports their token means.
 - ``update_fn(ctx: UpdateContext) -> dict[str, float]``: the parameter-update
@@ -123,7 +123,7 @@ def registered_algorithms() -> list[str]:
 
 def _ensure_builtins() -> None:
     # Imported lazily: grpo/ppo import this module to register themselves.
-    from runtime.algos import grpo, ppo  # noqa: F401
+    from runtime.train.algos import grpo, ppo  # noqa: F401
 
 
 def _coerce(name: str, made: Any) -> Algorithm:

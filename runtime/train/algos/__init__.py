@@ -1,6 +1,6 @@
 """RL algorithms: pure math (:mod:`.core`), GRPO, PPO, and the registry / plug-in point."""
 
-from runtime.algos.core import (
+from runtime.train.algos.core import (
     aggregate_loss,
     clipped_surrogate,
     gae,
@@ -9,7 +9,7 @@ from runtime.algos.core import (
     kl_k3,
     value_loss,
 )
-from runtime.algos.registry import (
+from runtime.train.algos.registry import (
     Algorithm,
     AlgorithmError,
     PolicyBatch,
