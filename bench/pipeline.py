@@ -64,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.evaluation.evaluator import evaluate  # noqa: E402
 from runtime.metrics import read_jsonl  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
-from runtime.pipeline import run, thread_plan  # noqa: E402
-from runtime.roles import build_engine, build_task  # noqa: E402
+from runtime.pipeline.driver import run, thread_plan  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
+from runtime.workloads.llm import build_engine, build_task  # noqa: E402
 
 # (name, pipeline.mode, extra pipeline fields, placement). "split": one trainer process and one
 # rollout process sharing the cores evenly (on 2 cores: one thread each, the CPU stand-in for a

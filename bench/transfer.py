@@ -101,8 +101,8 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
     torch.set_num_threads(1)
     import os
 
-    from runtime.roles import to_bytes
     from runtime.rollout.transfer import Aggregator, ShmCourier, sample_nbytes
+    from runtime.workloads.llm import to_bytes
 
     courier = ShmCourier(f"tandem-bench-{os.getpid()}-") if shm else None
 
@@ -126,8 +126,8 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
 
 
 def message_phase(groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float, shm: bool) -> dict:
-    from runtime.roles import from_bytes
     from runtime.rollout.transfer import ShmCourier
+    from runtime.workloads.llm import from_bytes
 
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)

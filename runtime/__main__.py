@@ -16,7 +16,7 @@ missing model path or dataset, a malformed dataset row, a broken tokenizer
 file, a device that is not there, a corrupt or partial checkpoint — is
 reported as one line naming the field (or file and row), with exit status 2. A failure during the run exits 1
 with a one-line reason. ``role`` also takes its settings from ``TANDEM_*``
-environment variables (runtime.role, docs/runtime-role.md).
+environment variables (runtime.managed.entry, docs/runtime-role.md).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (imported lazily: ``validate`` needs no torch)."""
     from runtime.checkpoint import CheckpointError
     from runtime.devices import DeviceError
+    from runtime.managed.entry import RoleInputError
     from runtime.models import ModelError
-    from runtime.role import RoleInputError
     from runtime.tasks import TaskError
     from runtime.train.algos import AlgorithmError
     from runtime.train.trainer import TrainerError
@@ -68,8 +68,8 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
-    from runtime.roles import trainer_devices_here
     from runtime.train.algos import get_algorithm
+    from runtime.workloads.llm import trainer_devices_here
 
     resolve_device(spec.resources.device, 0)
     if spec.resources.device != "cpu":  # this host's devices: its trainer ranks, rollout devices, evaluator
@@ -94,7 +94,7 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
 def _checkpoint(where: str) -> Path:
     """The verified checkpoint at (or newest under) ``where``."""
     from runtime.checkpoint import verify_checkpoint
-    from runtime.pipeline import PipelineError, resolve_resume
+    from runtime.pipeline.driver import PipelineError, resolve_resume
 
     try:
         path = resolve_resume(where)
@@ -111,7 +111,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from runtime.pipeline import run
+    from runtime.pipeline.driver import run
 
     spec = load_spec(args.spec, args.overrides)
     resume = preflight(spec, args.resume)
@@ -153,7 +153,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device, set_threads
     from runtime.evaluation.evaluator import evaluate
     from runtime.models import build_policy
-    from runtime.roles import build_engine, build_task
+    from runtime.workloads.llm import build_engine, build_task
 
     spec, ckpt = _eval_spec(args)
     preflight(spec)
@@ -206,7 +206,7 @@ def _cmd_evaluator(args: argparse.Namespace) -> int:
 
 def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device
-    from runtime.pipeline import thread_plan
+    from runtime.pipeline.driver import thread_plan
     from runtime.train.group import TrainerGroupError, parse_ranks, serve_ranks
 
     spec = load_spec(args.spec, args.overrides)
@@ -223,8 +223,8 @@ def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
-    from runtime import role
     from runtime.devices import resolve_device
+    from runtime.managed import entry as role
 
     options = role.parse_args(args.rest)
     env = role.read_env(os.environ)
@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "role", add_help=False, help="run one role of a platform-managed run (settings from TANDEM_* variables)"
     )
-    # Parsed by runtime.role, so that bad arguments are one line naming the argument (exit 2).
+    # Parsed by runtime.managed.entry, so that bad arguments are one line naming the argument (exit 2).
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_role)
     return parser
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["role"]:
-        # runtime.role parses the rest itself: argparse's REMAINDER cannot take a leading option
+        # runtime.managed.entry parses the rest itself: argparse's REMAINDER cannot take a leading option
         # (`role --spec F trainer`), and a bad argument must be one line naming it, not a usage block.
         return _guarded(lambda: _cmd_role(argparse.Namespace(rest=argv[1:])), _input_errors())
     parser = build_parser()

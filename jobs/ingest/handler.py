@@ -115,7 +115,7 @@ def _time(value: Any, where: str, errors: _Errors, now: float) -> float:
 
 
 def parse_batch(token: RunToken, body: Any) -> Batch:
-    """Validate a reporter body ``{run, attempt, role, points: [...], events: [...]}`` (see runtime.reporting_http)."""
+    """Validate a reporter body ``{run, attempt, role, points: [...], events: [...]}`` (see runtime.managed.reporter)."""
     if not isinstance(body, dict):
         raise InvalidInput.one("body", "must be a JSON object")
     errors = _Errors()

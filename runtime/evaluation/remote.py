@@ -164,7 +164,7 @@ class EvaluatorProcess:
     def __init__(self, spec: Any, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
         from runtime.models import build_policy
-        from runtime.roles import build_engine, build_task
+        from runtime.workloads.llm import build_engine, build_task
 
         r = spec.resources
         self.spec, self.log = spec, log

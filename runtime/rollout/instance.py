@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from runtime.roles import (
+from runtime.samples import Sample
+from runtime.workloads.llm import (
     EPOCH,
     STOP,
     WorkItem,
@@ -53,7 +54,6 @@ from runtime.roles import (
     rollout_device_index,
     to_bytes,
 )
-from runtime.samples import Sample
 
 BEAT_S = 1.0  # heartbeat period
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from runtime.contract import ENDPOINT_FILE, ENV_ROLLOUT_KEY, EXIT_NO_TRAINER
-from runtime.roles import EPOCH, STOP
 from runtime.rollout.link import (
     Endpoint,
     LinkError,
@@ -40,6 +39,7 @@ from runtime.rollout.link import (
     shutdown_socket,
     spec_digest,
 )
+from runtime.workloads.llm import EPOCH, STOP
 
 RETRY_S = 1.0  # between looks at the endpoint file while there is no trainer to talk to
 
@@ -89,7 +89,7 @@ class RemoteInstance:
     def __init__(self, spec: Any, index: int, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
         from runtime.models import build_policy
-        from runtime.roles import build_engine, build_task
+        from runtime.workloads.llm import build_engine, build_task
 
         r = spec.resources
         if not 0 <= index < r.remote_rollout_workers:

@@ -257,9 +257,9 @@ def serve_ranks(spec: Any, ranks: range, threads: int) -> int:
 def follower_process(rank: int, world: int, init: str, spec_data: dict, threads: int, device_index: int) -> None:
     """Entry point of trainer rank ``rank`` > 0: build the models, then follow the leader's commands."""
     from runtime.devices import dist_backend, manual_seed_all, resolve_device, set_threads
-    from runtime.roles import build_models
     from runtime.spec import validate_spec
     from runtime.train.trainer import Trainer
+    from runtime.workloads.llm import build_models
 
     try:
         set_threads(threads)

@@ -20,7 +20,7 @@ import torch
 
 from runtime.control import Control
 from runtime.metrics import read_jsonl
-from runtime.pipeline import PipelineError, run
+from runtime.pipeline.driver import PipelineError, run
 from runtime.weights.service import WeightService, WeightSubscriber
 from tests.runtime.helpers import derived, tiny_spec
 

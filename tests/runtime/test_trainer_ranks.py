@@ -15,7 +15,7 @@ import torch
 from runtime.checkpoint import load_checkpoint
 from runtime.control import Control, Directive
 from runtime.metrics import read_jsonl
-from runtime.pipeline import CHECKPOINT_DIR, run
+from runtime.pipeline.driver import CHECKPOINT_DIR, run
 from runtime.train.group import TrainerGroup, TrainerGroupError, shards
 from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 

@@ -10,7 +10,7 @@ long and short prompts spread evenly; the number of active instances follows the
 holds (a dead or hung instance's, or from before a rollback) is dropped. An instance that dies or
 goes silent is replaced, up to ``resources.rollout_restarts`` per rank, and its unfinished work is
 issued again first, so no sample is lost or trained on twice. The step boundary, checkpoints and
-directives are the shared ``runtime.pipeline.RunContext``'s.
+directives are the shared ``runtime.pipeline.driver.RunContext``'s.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from runtime import metrics as M
 from runtime.contract import ENDPOINT_FILE, EVALUATOR_ROLE
 from runtime.evaluation.evaluator import BackgroundEvaluator
 from runtime.evaluation.remote import RemoteEvaluator
-from runtime.pipeline import PipelineError, RunContext, pack_queue, unpack_queue
-from runtime.roles import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
+from runtime.pipeline.driver import PipelineError, RunContext, pack_queue, unpack_queue
 from runtime.rollout.instance import rollout_process, shm_prefix
 from runtime.rollout.link import (
     Endpoint,
@@ -46,6 +45,7 @@ from runtime.rollout.transfer import ShmCourier, sweep
 from runtime.sample_queue import QueueClosed, SampleQueue
 from runtime.samples import Sample
 from runtime.weights.service import WeightService
+from runtime.workloads.llm import EPOCH, STOP, ConsistencyProbe, WorkItem, build_engine, from_bytes
 
 
 @dataclass(eq=False)
@@ -740,7 +740,7 @@ def _eval_engine(ctx: RunContext) -> Any:
     """The evaluator's engine: on its own device with ``resources.eval_devices``, else the trainer's."""
     from runtime.devices import resolve_device
     from runtime.models import build_policy
-    from runtime.roles import eval_device_index
+    from runtime.workloads.llm import eval_device_index
 
     index = eval_device_index(ctx.spec)
     device = ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)

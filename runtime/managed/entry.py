@@ -2,12 +2,12 @@
 
 Wiring only (docs/runtime-role.md; the contract is the platform's launcher's):
 the environment names the platform, the run, the attempt and its token; the
-pipeline (``runtime.pipeline.run``) does the work, reporting to a JSONL file
+pipeline (``runtime.pipeline.driver.run``) does the work, reporting to a JSONL file
 in the workdir and to the platform's ingest API (``HttpReporter``). Around it
 this module runs
 
 * a heartbeat thread: status and ``Control.status()`` to ``/api/ingest/heartbeat``;
-* the command desk (``runtime.command_desk``): commands riding on any ingest
+* the command desk (``runtime.managed.command_desk``): commands riding on any ingest
   reply become :class:`runtime.control.Directive` s, each command id acted on
   once (persisted in ``<workdir>/commands.jsonl``), and their results are
   acknowledged to ``/api/ingest/command_result`` from a thread of their own;
@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl, RoleInputError
-from runtime.command_desk import role_log as _log
 from runtime.contract import (
     COMMANDS_FILE,
     ENDPOINT_FILE,
@@ -54,7 +52,9 @@ from runtime.contract import (
     spool_dir,
 )
 from runtime.control import Directive
-from runtime.reporting_http import HttpReporter, JsonPoster, PostError
+from runtime.managed.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl, RoleInputError
+from runtime.managed.command_desk import role_log as _log
+from runtime.managed.reporter import HttpReporter, JsonPoster, PostError
 from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
 
 DEFAULT_HEARTBEAT_S = 5.0
@@ -167,7 +167,7 @@ def load_role_spec(path: Path, workdir: Path) -> RunSpec:
 def find_resume(workdir: Path) -> Path | None:
     """The newest checkpoint under ``<workdir>/checkpoints`` that verifies (an older one if it is damaged)."""
     from runtime.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
-    from runtime.pipeline import CHECKPOINT_DIR
+    from runtime.pipeline.driver import CHECKPOINT_DIR
 
     for info in reversed(CheckpointManager(workdir / CHECKPOINT_DIR).list()):
         try:
@@ -375,7 +375,7 @@ class TrainerRole:
     def run(self) -> dict[str, Any]:
         from runtime import metrics as M
         from runtime.checkpoint import load_checkpoint
-        from runtime.pipeline import run
+        from runtime.pipeline.driver import run
 
         main_thread = threading.current_thread() is threading.main_thread()  # signals go to the main thread only
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
@@ -540,7 +540,7 @@ def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
 def run_trainer_ranks(spec: RunSpec, env: RoleEnv, ranks: range) -> int:
     """One attempt of trainer ranks on a further host (runtime.train.group.serve_ranks): they meet
     trainer-0 at ``MASTER_ADDR`` / ``MASTER_PORT`` and follow it until it stops them (exit 0) or fails."""
-    from runtime.pipeline import thread_plan
+    from runtime.pipeline.driver import thread_plan
     from runtime.train.group import TrainerGroupError, serve_ranks
 
     def work(changed: Callable[[str], None]) -> int:

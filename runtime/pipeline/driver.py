@@ -20,12 +20,12 @@
   trainer no longer holds (a dead process's, or from before a rollback) is
   dropped, so no sample is lost or trained on twice.
 
-The modes live in ``runtime.pipeline_inline`` (sync, colocated) and
-``runtime.pipeline_async``; what they share — models, trainer, data, weights,
+The modes live in ``runtime.pipeline.inline`` (sync, colocated) and
+``runtime.pipeline.async_mode``; what they share — models, trainer, data, weights,
 checkpoints, reporters, evaluation and the step boundary with its
 directives — is :class:`RunContext` here.
 
-The driver only calls roles (``runtime.roles``: prompt source, rollout
+The driver only calls roles (``runtime.workloads.llm``: prompt source, rollout
 worker; ``runtime.train.trainer``; ``runtime.evaluation.evaluator``) and never looks inside a
 sample. Every ``checkpoint.interval`` steps (and at the end) the full state
 is saved: trainer (policy, critic, optimizers, schedulers), RNG states, data
@@ -55,14 +55,14 @@ from runtime import metrics as M
 from runtime.contract import live_param_problems
 from runtime.control import Control, Directive
 from runtime.evaluation.evaluator import evaluate
-from runtime.roles import (
+from runtime.samples import Sample
+from runtime.spec import RunSpec
+from runtime.weights.service import WeightService
+from runtime.workloads.llm import (
     PromptSource,
     build_models,
     build_task,
 )
-from runtime.samples import Sample
-from runtime.spec import RunSpec
-from runtime.weights.service import WeightService
 
 CHECKPOINT_DIR = "checkpoints"
 REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: checkpoints of a timeline a rollback abandoned
@@ -425,7 +425,7 @@ class RunContext:
     def close_control(self, error: BaseException | None) -> None:
         """The run is over. Directives it never applied are left to the controller: pending ones stay
         in the Control, and one taken but unanswered (a stop whose checkpoint failed) is not answered
-        either, so that a restarted attempt can apply them (the role decides; see runtime.role)."""
+        either, so that a restarted attempt can apply them (the role decides; see runtime.managed.entry)."""
         if self.control is not None and error is None:
             self.control.update(status="finished")
 
@@ -561,10 +561,10 @@ def run(
     error: BaseException | None = None
     try:
         if ctx.spec.pipeline.mode == "async":
-            from runtime.pipeline_async import AsyncMode
+            from runtime.pipeline.async_mode import AsyncMode
 
             return AsyncMode(ctx).run()
-        from runtime.pipeline_inline import InlineMode
+        from runtime.pipeline.inline import InlineMode
 
         return InlineMode(ctx).run()
     except BaseException as exc:
