@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.evaluation.evaluator import evaluate  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
-from runtime.pipeline.driver import run  # noqa: E402
+from runtime.pipeline import run  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
 from runtime.train.sft import run_sft  # noqa: E402
 from runtime.workloads.llm import build_engine, build_task  # noqa: E402

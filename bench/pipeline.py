@@ -64,7 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from runtime.evaluation.evaluator import evaluate  # noqa: E402
 from runtime.metrics import read_jsonl  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
-from runtime.pipeline.driver import run, thread_plan  # noqa: E402
+from runtime.pipeline import run  # noqa: E402
+from runtime.pipeline.driver import thread_plan  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
 from runtime.workloads.llm import build_engine, build_task  # noqa: E402
 

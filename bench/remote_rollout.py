@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runtime.metrics import read_jsonl  # noqa: E402
-from runtime.pipeline.driver import run  # noqa: E402
+from runtime.pipeline import run  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
 
 

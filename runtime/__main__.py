@@ -68,8 +68,8 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
+    from runtime.placement import trainer_devices_here
     from runtime.train.algos import get_algorithm
-    from runtime.workloads.llm import trainer_devices_here
 
     resolve_device(spec.resources.device, 0)
     if spec.resources.device != "cpu":  # this host's devices: its trainer ranks, rollout devices, evaluator
@@ -111,7 +111,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from runtime.pipeline.driver import run
+    from runtime.pipeline import run
 
     spec = load_spec(args.spec, args.overrides)
     resume = preflight(spec, args.resume)
@@ -207,7 +207,8 @@ def _cmd_evaluator(args: argparse.Namespace) -> int:
 def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device
     from runtime.pipeline.driver import thread_plan
-    from runtime.train.group import TrainerGroupError, parse_ranks, serve_ranks
+    from runtime.placement import TrainerGroupError, parse_ranks
+    from runtime.train.group import serve_ranks
 
     spec = load_spec(args.spec, args.overrides)
     try:

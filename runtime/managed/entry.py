@@ -2,7 +2,7 @@
 
 Wiring only (docs/runtime-role.md; the contract is the platform's launcher's):
 the environment names the platform, the run, the attempt and its token; the
-pipeline (``runtime.pipeline.driver.run``) does the work, reporting to a JSONL file
+pipeline (``runtime.pipeline.run``) does the work, reporting to a JSONL file
 in the workdir and to the platform's ingest API (``HttpReporter``). Around it
 this module runs
 
@@ -375,7 +375,7 @@ class TrainerRole:
     def run(self) -> dict[str, Any]:
         from runtime import metrics as M
         from runtime.checkpoint import load_checkpoint
-        from runtime.pipeline.driver import run
+        from runtime.pipeline import run
 
         main_thread = threading.current_thread() is threading.main_thread()  # signals go to the main thread only
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
@@ -520,7 +520,7 @@ def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
 
 def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
     """The ranks a further trainer role runs, from ``TANDEM_RANKS`` (``first-last``, rank 0 excluded)."""
-    from runtime.train.group import TrainerGroupError, parse_ranks
+    from runtime.placement import TrainerGroupError, parse_ranks
 
     text = environ.get(ENV_RANKS, "").strip()
     if not text:
@@ -541,7 +541,8 @@ def run_trainer_ranks(spec: RunSpec, env: RoleEnv, ranks: range) -> int:
     """One attempt of trainer ranks on a further host (runtime.train.group.serve_ranks): they meet
     trainer-0 at ``MASTER_ADDR`` / ``MASTER_PORT`` and follow it until it stops them (exit 0) or fails."""
     from runtime.pipeline.driver import thread_plan
-    from runtime.train.group import TrainerGroupError, serve_ranks
+    from runtime.placement import TrainerGroupError
+    from runtime.train.group import serve_ranks
 
     def work(changed: Callable[[str], None]) -> int:
         changed("running")

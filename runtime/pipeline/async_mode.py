@@ -740,7 +740,7 @@ def _eval_engine(ctx: RunContext) -> Any:
     """The evaluator's engine: on its own device with ``resources.eval_devices``, else the trainer's."""
     from runtime.devices import resolve_device
     from runtime.models import build_policy
-    from runtime.workloads.llm import eval_device_index
+    from runtime.placement import eval_device_index
 
     index = eval_device_index(ctx.spec)
     device = ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -539,41 +538,6 @@ class RunContext:
         self.trace["consumed"] = self.trace["consumed"][:keep]
         self.trace["dropped"] = self.trace["dropped"][:mark]
         self.dropped_marks = {s: m for s, m in self.dropped_marks.items() if s <= step}
-
-
-def run(
-    spec: RunSpec,
-    resume: str | Path | None = None,
-    reporters: Any = None,
-    stop: Callable[[int, dict[str, float]], bool] | None = None,
-    control: Control | None = None,
-) -> dict[str, Any]:
-    """Run ``spec`` to ``pipeline.steps`` (continuing from the checkpoint ``resume`` when given).
-
-    ``stop(step, metrics)``, checked after every step, ends the run early as if that step were
-    the last (final evaluation and checkpoint included): a wall-clock budget, for instance.
-    ``control`` brings directives (pause, stop, rollback, ...), applied at step boundaries, and
-    receives the run's status. Returns the final step's metrics, the evaluations, the outcome
-    (completed, stopped, preempted, cancelled), and a trace of the issue indices consumed per
-    step / dropped / left over (queue and in flight) at the end.
-    """
-    ctx = RunContext(spec, Path(resume) if resume is not None else None, reporters, stop, control)
-    error: BaseException | None = None
-    try:
-        if ctx.spec.pipeline.mode == "async":
-            from runtime.pipeline.async_mode import AsyncMode
-
-            return AsyncMode(ctx).run()
-        from runtime.pipeline.inline import InlineMode
-
-        return InlineMode(ctx).run()
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        ctx.close_trainer()
-        ctx.close_control(error)
-        ctx.reporters.close()
 
 
 def pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from runtime.placement import rollout_device_index
 from runtime.samples import Sample
 from runtime.workloads.llm import (
     EPOCH,
@@ -51,7 +52,6 @@ from runtime.workloads.llm import (
     build_task,
     make_samples,
     reward_scores,
-    rollout_device_index,
     to_bytes,
 )
 

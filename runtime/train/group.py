@@ -39,40 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.contract import ENV_LOCAL_RANKS
+from runtime.placement import TrainerGroupError, local_ranks
 from runtime.samples import Sample
-
-
-class TrainerGroupError(RuntimeError):
-    """A trainer rank failed or cannot be reached."""
-
-
-def parse_ranks(text: str, world: int, what: str) -> range:
-    """``first-last`` (or one rank) -> range, within ``[0, world)``; a clear error naming ``what`` otherwise."""
-    first, sep, last = text.strip().partition("-")
-    try:
-        ranks = range(int(first), int(last if sep else first) + 1)
-    except ValueError:
-        raise TrainerGroupError(f"{what}: expected first-last, e.g. 0-3, got {text!r}") from None
-    if not ranks or ranks.start < 0 or ranks.stop > world:
-        raise TrainerGroupError(f"{what}: {text!r} is not within the run's ranks 0-{world - 1}")
-    return ranks
-
-
-def local_ranks(world: int, environ: Any = os.environ) -> range:
-    """The ranks the leader's host runs (``TANDEM_LOCAL_RANKS``; default all). They include rank 0, and
-    ranks beyond them need a rendezvous every host reaches (``MASTER_ADDR`` / ``MASTER_PORT``)."""
-    text = environ.get(ENV_LOCAL_RANKS, "").strip()
-    if not text:
-        return range(world)
-    ranks = parse_ranks(text, world, ENV_LOCAL_RANKS)
-    if ranks.start != 0:
-        raise TrainerGroupError(f"{ENV_LOCAL_RANKS}: {text!r} must include rank 0, the leader")
-    if len(ranks) < world and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
-        raise TrainerGroupError(
-            f"{ENV_LOCAL_RANKS}={text}: ranks on other hosts need MASTER_ADDR and MASTER_PORT (the rendezvous)"
-        )
-    return ranks
 
 
 def rendezvous() -> str:

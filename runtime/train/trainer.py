@@ -50,7 +50,8 @@ from runtime.train.algos.core import (
     whiten,
 )
 from runtime.train.algos.core import value_loss as value_loss_fn
-from runtime.train.algos.registry import PolicyBatch, UpdateContext, adamw_update, get_algorithm
+from runtime.train.algos.interface import PolicyBatch, UpdateContext, adamw_update
+from runtime.train.algos.registry import get_algorithm
 
 
 class TrainerError(ValueError):

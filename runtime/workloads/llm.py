@@ -248,27 +248,6 @@ def from_bytes(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=False)
 
 
-def trainer_devices_here(spec: RunSpec) -> int:
-    """Trainer ranks on this host: all of them, or those ``TANDEM_LOCAL_RANKS`` names (the others run on
-    other hosts, runtime.train.group); this host's rollout and evaluator devices come after them."""
-    from runtime.train.group import local_ranks
-
-    return len(local_ranks(spec.resources.trainer_devices))
-
-
-def rollout_device_index(spec: RunSpec, rank: int) -> int:
-    """Rollout devices follow this host's trainer devices; 0 when they share (CPU)."""
-    r = spec.resources
-    return trainer_devices_here(spec) + rank % r.rollout_devices if r.rollout_devices else 0
-
-
-def eval_device_index(spec: RunSpec) -> int | None:
-    """The evaluator's own device (after this host's trainer and rollout devices), or None when it has
-    none (``eval_devices: 0``) and shares the trainer's."""
-    r = spec.resources
-    return trainer_devices_here(spec) + r.rollout_devices if r.eval_devices else None
-
-
 STOP, EPOCH = 0, 1  # indices into the shared flags of the rollout processes (a lock-free RawArray)
 # the rollout process itself: runtime.rollout.instance
 

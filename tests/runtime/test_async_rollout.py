@@ -14,7 +14,7 @@ import torch
 
 from runtime.control import Control
 from runtime.metrics import read_jsonl
-from runtime.pipeline.driver import run
+from runtime.pipeline import run
 from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 from tests.runtime.reward_server import RewardServer
 

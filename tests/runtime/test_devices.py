@@ -104,8 +104,8 @@ def test_probe_inventory_cpu_and_absent_tools():
 
 
 def test_each_process_kind_has_its_own_device_index():
+    from runtime.placement import eval_device_index, rollout_device_index
     from runtime.spec import load_spec
-    from runtime.workloads.llm import eval_device_index, rollout_device_index
 
     accel = {"device": "cuda", "trainer_devices": 2, "rollout_devices": 3}
     spec = load_spec({"pipeline": {"mode": "async"}, "resources": {**accel, "eval_devices": 1}})
@@ -117,8 +117,8 @@ def test_each_process_kind_has_its_own_device_index():
 
 
 def test_with_trainer_ranks_on_other_hosts_this_hosts_devices_follow_its_own_ranks(monkeypatch):
+    from runtime.placement import eval_device_index, rollout_device_index
     from runtime.spec import load_spec
-    from runtime.workloads.llm import eval_device_index, rollout_device_index
 
     spec = load_spec(
         {

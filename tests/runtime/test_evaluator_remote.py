@@ -19,7 +19,7 @@ import yaml
 from runtime.__main__ import main
 from runtime.control import Control
 from runtime.metrics import EVAL_ACCURACY, read_jsonl
-from runtime.pipeline.driver import run
+from runtime.pipeline import run
 from runtime.spec import SpecError, load_spec, validate_spec
 from tests.runtime.helpers import derived, tiny_spec
 

@@ -14,7 +14,7 @@ import torch
 
 from runtime.evaluation.evaluator import evaluate
 from runtime.models import build_policy
-from runtime.pipeline.driver import run
+from runtime.pipeline import run
 from runtime.spec import load_spec
 from runtime.train.sft import run_sft
 from runtime.workloads.llm import build_engine, build_task

@@ -7,7 +7,8 @@ import torch
 
 from runtime.checkpoint import load_checkpoint
 from runtime.metrics import read_jsonl
-from runtime.pipeline.driver import CHECKPOINT_DIR, RESOLVED_SPEC, run
+from runtime.pipeline import run
+from runtime.pipeline.driver import CHECKPOINT_DIR, RESOLVED_SPEC
 from tests.runtime.helpers import tiny_spec
 
 

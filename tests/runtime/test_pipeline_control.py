@@ -17,7 +17,8 @@ import torch
 from runtime import metrics as M
 from runtime.checkpoint import load_checkpoint
 from runtime.control import Control, Directive
-from runtime.pipeline.driver import CHECKPOINT_DIR, REWOUND_DIR, run
+from runtime.pipeline import run
+from runtime.pipeline.driver import CHECKPOINT_DIR, REWOUND_DIR
 from tests.runtime.helpers import derived, tiny_spec
 
 BASE = derived(pipeline={"mode": "sync", "steps": 5}, checkpoint={"interval": 1, "keep_last": 10})

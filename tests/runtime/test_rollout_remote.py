@@ -27,7 +27,7 @@ from safetensors.torch import save as save_weights
 from runtime.contract import ENDPOINT_FILE
 from runtime.control import Control
 from runtime.metrics import read_jsonl
-from runtime.pipeline.driver import run
+from runtime.pipeline import run
 from runtime.rollout.link import (
     Endpoint,
     LinkError,

@@ -20,7 +20,8 @@ import torch
 
 from runtime.control import Control
 from runtime.metrics import read_jsonl
-from runtime.pipeline.driver import PipelineError, run
+from runtime.pipeline import run
+from runtime.pipeline.driver import PipelineError
 from runtime.weights.service import WeightService, WeightSubscriber
 from tests.runtime.helpers import derived, tiny_spec
 

@@ -9,16 +9,8 @@ from runtime.train.algos.core import (
     kl_k3,
     value_loss,
 )
-from runtime.train.algos.registry import (
-    Algorithm,
-    AlgorithmError,
-    PolicyBatch,
-    UpdateContext,
-    adamw_update,
-    get_algorithm,
-    register_algorithm,
-    registered_algorithms,
-)
+from runtime.train.algos.interface import Algorithm, AlgorithmError, PolicyBatch, UpdateContext, adamw_update
+from runtime.train.algos.registry import get_algorithm, register_algorithm, registered_algorithms
 
 __all__ = [
     "Algorithm",

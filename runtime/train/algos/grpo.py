@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from runtime.train.algos.core import clipped_surrogate, kl_k3
-from runtime.train.algos.registry import Algorithm, PolicyBatch, adamw_update, register_algorithm
+from runtime.train.algos.interface import Algorithm, PolicyBatch, adamw_update
 
 
 def policy_loss(batch: PolicyBatch, config) -> tuple[Tensor, dict[str, Tensor]]:
@@ -58,6 +58,3 @@ def policy_loss(batch: PolicyBatch, config) -> tuple[Tensor, dict[str, Tensor]]:
 
 def make_grpo() -> Algorithm:
     return Algorithm(name="grpo", loss_fn=policy_loss, update_fn=adamw_update, advantages="group")
-
-
-register_algorithm("grpo", make_grpo)

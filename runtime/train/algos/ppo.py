@@ -16,11 +16,8 @@ reward only.
 from __future__ import annotations
 
 from runtime.train.algos.grpo import policy_loss
-from runtime.train.algos.registry import Algorithm, adamw_update, register_algorithm
+from runtime.train.algos.interface import Algorithm, adamw_update
 
 
 def make_ppo() -> Algorithm:
     return Algorithm(name="ppo", loss_fn=policy_loss, update_fn=adamw_update, advantages="gae", needs_critic=True)
-
-
-register_algorithm("ppo", make_ppo)

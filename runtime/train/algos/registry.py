@@ -20,93 +20,14 @@ pair. Scheduling, micro-batching and distribution never change.
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import torch
-from torch import Tensor
+from runtime.train.algos.grpo import make_grpo
+from runtime.train.algos.interface import Algorithm, AlgorithmError
+from runtime.train.algos.ppo import make_ppo
 
-
-class AlgorithmError(ValueError):
-    """``algorithm.name`` does not name a usable algorithm."""
-
-
-@dataclass
-class PolicyBatch:
-    """The tensors one micro-batch's policy loss needs; every tensor is ``[B, T]``.
-
-    ``logprobs`` carry gradient; everything else is detached. ``old_logprobs``
-    is what the ratio is taken against (proximal policy for ``none`` /
-    ``decoupled``, behaviour for ``truncated``); ``is_weights`` the truncated
-    behaviour-to-proximal weights (``decoupled`` only, else None).
-    ``entropy`` has gradient only when ``algorithm.entropy_coef > 0``.
-    """
-
-    logprobs: Tensor
-    old_logprobs: Tensor
-    behaviour_logprobs: Tensor
-    advantages: Tensor
-    mask: Tensor
-    is_weights: Tensor | None = None
-    ref_logprobs: Tensor | None = None
-    entropy: Tensor | None = None
-
-
-@dataclass
-class UpdateContext:
-    """What a parameter-update step may touch: gradients are already summed over micro-batches and ranks."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
-    grad_clip: float
-    step: int
-
-
-LossFn = Callable[[PolicyBatch, Any], tuple[Tensor, dict[str, Tensor]]]
-UpdateFn = Callable[[UpdateContext], dict[str, float]]
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """A named RL objective.
-
-    ``advantages``: ``group`` (GRPO group-normalised outcome advantages) or
-    ``gae`` (needs a critic; PPO). ``needs_critic`` makes the trainer require
-    and train a value model.
-    """
-
-    name: str
-    loss_fn: LossFn
-    update_fn: UpdateFn
-    advantages: Literal["group", "gae"] = "group"
-    needs_critic: bool = False
-
-
-def adamw_update(ctx: UpdateContext) -> dict[str, float]:
-    """Default update: clip the global gradient norm, step the optimizer and the LR schedule, clear gradients.
-
-    A non-finite gradient norm skips the optimizer step (one bad batch must
-    not turn every weight into NaN); the schedule still advances so that
-    resumed and uninterrupted runs stay aligned. The norm is reported as is.
-    """
-    params = [p for p in ctx.model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, ctx.grad_clip)
-    lr = ctx.optimizer.param_groups[0]["lr"]
-    if torch.isfinite(grad_norm):
-        ctx.optimizer.step()
-        ctx.scheduler.step()
-    else:
-        with warnings.catch_warnings():  # torch warns about a schedule step without an optimizer step: intended
-            warnings.simplefilter("ignore", UserWarning)
-            ctx.scheduler.step()
-    ctx.optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": float(grad_norm), "lr": float(lr)}
-
-
-_REGISTRY: dict[str, Callable[[], Algorithm]] = {}
+_REGISTRY: dict[str, Callable[[], Algorithm]] = {"grpo": make_grpo, "ppo": make_ppo}
 
 
 def register_algorithm(name: str, factory: Callable[[], Algorithm]) -> None:
@@ -117,13 +38,7 @@ def register_algorithm(name: str, factory: Callable[[], Algorithm]) -> None:
 
 
 def registered_algorithms() -> list[str]:
-    _ensure_builtins()
     return sorted(_REGISTRY)
-
-
-def _ensure_builtins() -> None:
-    # Imported lazily: grpo/ppo import this module to register themselves.
-    from runtime.train.algos import grpo, ppo  # noqa: F401
 
 
 def _coerce(name: str, made: Any) -> Algorithm:
@@ -138,7 +53,6 @@ def _coerce(name: str, made: Any) -> Algorithm:
 
 def get_algorithm(name: str) -> Algorithm:
     """An algorithm by registered name or ``package.module:factory`` import path."""
-    _ensure_builtins()
     if ":" not in name:
         if name not in _REGISTRY:
             known = ", ".join(sorted(_REGISTRY))
