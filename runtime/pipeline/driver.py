@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
@@ -62,6 +62,9 @@ from runtime.workloads.llm import (
     build_models,
     build_task,
 )
+
+if TYPE_CHECKING:
+    from runtime.checkpoint import CheckpointManager
 
 CHECKPOINT_DIR = "checkpoints"
 REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: checkpoints of a timeline a rollback abandoned
@@ -105,6 +108,29 @@ def resolve_resume(path: str | Path) -> Path:
     raise PipelineError(f"--resume: no complete checkpoint in {p}")
 
 
+def _trainer_device(spec: RunSpec) -> Any:
+    from runtime.devices import resolve_device
+
+    return resolve_device(spec.resources.device, 0)
+
+
+def _read_resume(resume: Path | None) -> tuple[Path | None, dict | None]:
+    """The checkpoint a resumed run continues from, and its state (None, None for a fresh run)."""
+    from runtime.checkpoint import load_checkpoint
+
+    resume_path = resolve_resume(resume) if resume is not None else None
+    resume_state = load_checkpoint(resume_path) if resume_path is not None else None
+    return resume_path, resume_state
+
+
+def _prepare_output_dir(spec: RunSpec) -> Path:
+    """The run's output directory, with the resolved spec it runs."""
+    out_dir = spec.resolved_output_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESOLVED_SPEC).write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
+    return out_dir
+
+
 class _Mode(Protocol):
     """What the step-boundary logic needs from a mode's driver."""
 
@@ -135,67 +161,47 @@ class RunContext:
         stop: Any = None,
         control: Control | None = None,
     ):
-        from runtime.checkpoint import CheckpointManager, load_checkpoint
-        from runtime.devices import manual_seed_all, resolve_device, set_threads
-        from runtime.train.trainer import Trainer
+        self.spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
+        self._init_control(stop, control)
+        self.device = _trainer_device(self.spec)
+        resume_path, self.resume_state = _read_resume(resume)
+        self._set_threads_and_seed()
+        self.out_dir = _prepare_output_dir(self.spec)
+        self._build_models_and_trainer()
+        self._build_data()
+        self.weights = WeightService(keep=2)
+        self.ckpt = self._checkpoint_manager()
+        self._restore_progress(self.resume_state)
+        self.reporters = reporters if reporters is not None else self._build_reporters(self.resume_state)
+        self._init_trace_and_marks(resume_path)
+        if self.resume_state is not None:
+            self.reporters.event("resume", {"step": self.start_step})
 
-        spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
-        self.spec = spec
+    # ---- building the run --------------------------------------------------
+    def _init_control(self, stop: Any, control: Control | None) -> None:
+        """How the run ends and what its controller sees: nothing decided yet."""
         self.stop = stop
         self.control = control
-        self.final_step = spec.pipeline.steps  # lowered when ``stop`` or a stop directive ends the run early
+        self.final_step = self.spec.pipeline.steps  # lowered when ``stop`` or a stop directive ends the run early
         self.outcome = "completed"
         self.paused = False
         self.ending: str | None = None  # "stopped" | "preempted" | "cancelled" once such a directive is taken
         self.stop_acks: list[Directive] = []  # stop / preempt, acknowledged once the final checkpoint is written
         self.status_step = 0
-        self.device = resolve_device(spec.resources.device, 0)
-        resume_path = resolve_resume(resume) if resume is not None else None
-        resume_state = load_checkpoint(resume_path) if resume_path is not None else None
-        self.trainer_threads, self.rollout_threads = thread_plan(spec)
+
+    def _set_threads_and_seed(self) -> None:
+        from runtime.devices import manual_seed_all, set_threads
+
+        self.trainer_threads, self.rollout_threads = thread_plan(self.spec)
         set_threads(self.trainer_threads)
-        manual_seed_all(spec.seed)
+        manual_seed_all(self.spec.seed)
 
-        self.out_dir = spec.resolved_output_dir()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / RESOLVED_SPEC).write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
+    def _build_models_and_trainer(self) -> None:
+        from runtime.train.trainer import Trainer
 
-        self.models = build_models(spec, self.device)
+        self.models = build_models(self.spec, self.device)
         self.tokenizer = self.models.tokenizer
         self.trainer = self._build_trainer(Trainer)
-        self.task = build_task(spec)
-        self.source = PromptSource(self.task.train_prompts())
-        self.prompt_by_id = {p.prompt_id: p for p in self.source.prompts}
-        self.eval_prompts = self.task.eval_prompts()
-        self.weights = WeightService(keep=2)
-        self.ckpt = CheckpointManager(
-            self.out_dir / CHECKPOINT_DIR,
-            keep_last=spec.checkpoint.keep_last,
-            keep_best_metric=spec.checkpoint.keep_best_metric,
-            keep_best_mode=spec.checkpoint.keep_best_mode,
-        )
-        self.start_step = 0
-        self.dropped_total = 0
-        self.resume_state = resume_state
-        jsonl_cursor = None
-        if resume_state is not None:
-            self._load(resume_state)
-            jsonl_cursor = resume_state["pipeline"].get("metrics_cursor")
-        if reporters is None:
-            reporters = M.build_reporters(spec.metrics, self.out_dir, spec.pipeline.steps, jsonl_cursor=jsonl_cursor)
-        self.reporters = reporters
-        # consumed: group ids per step of the current timeline (a rollback moves rewound steps to "rewound")
-        self.trace: dict[str, list] = {"consumed": [], "dropped": [], "leftover": [], "rewound": []}
-        self.trace_start = self.start_step  # the step before trace["consumed"][0]
-        self.dropped_marks = {self.start_step: 0}  # step -> len(trace["dropped"]) when its checkpoint was saved
-        self.evals: list[dict] = []
-        self.last_metrics: dict[str, float] = {}
-        self.eval_step = -1  # the last step evaluated (or submitted for evaluation)
-        self.ckpt_step = -1  # the step of the current timeline's newest checkpoint
-        self.ckpt_path: Path | None = None
-        if resume_state is not None:
-            self.ckpt_step, self.ckpt_path = self.start_step, resume_path
-            self.reporters.event("resume", {"step": self.start_step})
 
     def _build_trainer(self, trainer_cls: Any) -> Any:
         """This process's trainer; with ``resources.trainer_devices`` > 1 the leader of a data-parallel
@@ -212,6 +218,50 @@ class RunContext:
         except BaseException:
             TrainerGroup.abandon(followers)
             raise
+
+    def _build_data(self) -> None:
+        """The task, its training prompts (the prompt source) and its held-out prompts."""
+        self.task = build_task(self.spec)
+        self.source = PromptSource(self.task.train_prompts())
+        self.prompt_by_id = {p.prompt_id: p for p in self.source.prompts}
+        self.eval_prompts = self.task.eval_prompts()
+
+    def _checkpoint_manager(self) -> CheckpointManager:
+        from runtime.checkpoint import CheckpointManager
+
+        spec = self.spec
+        return CheckpointManager(
+            self.out_dir / CHECKPOINT_DIR,
+            keep_last=spec.checkpoint.keep_last,
+            keep_best_metric=spec.checkpoint.keep_best_metric,
+            keep_best_mode=spec.checkpoint.keep_best_mode,
+        )
+
+    def _restore_progress(self, resume_state: dict | None) -> None:
+        """Step, counters, trainer, RNG, data cursor and weight version: from zero, or the checkpoint's."""
+        self.start_step = 0
+        self.dropped_total = 0
+        if resume_state is not None:
+            self._load(resume_state)
+
+    def _build_reporters(self, resume_state: dict | None) -> Any:
+        """The spec's reporters; a resumed run's metrics file continues from the checkpoint's cursor."""
+        jsonl_cursor = resume_state["pipeline"].get("metrics_cursor") if resume_state is not None else None
+        return M.build_reporters(self.spec.metrics, self.out_dir, self.spec.pipeline.steps, jsonl_cursor=jsonl_cursor)
+
+    def _init_trace_and_marks(self, resume_path: Path | None) -> None:
+        """What this timeline consumed, evaluated and checkpointed so far."""
+        # consumed: group ids per step of the current timeline (a rollback moves rewound steps to "rewound")
+        self.trace: dict[str, list] = {"consumed": [], "dropped": [], "leftover": [], "rewound": []}
+        self.trace_start = self.start_step  # the step before trace["consumed"][0]
+        self.dropped_marks = {self.start_step: 0}  # step -> len(trace["dropped"]) when its checkpoint was saved
+        self.evals: list[dict] = []
+        self.last_metrics: dict[str, float] = {}
+        self.eval_step = -1  # the last step evaluated (or submitted for evaluation)
+        self.ckpt_step = -1  # the step of the current timeline's newest checkpoint
+        self.ckpt_path: Path | None = None
+        if resume_path is not None:  # the checkpoint resumed from is this timeline's newest
+            self.ckpt_step, self.ckpt_path = self.start_step, resume_path
 
     def close_trainer(self) -> None:
         close = getattr(self.trainer, "close", None)  # a TrainerGroup's followers stop here
