@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.evaluator import evaluate  # noqa: E402
+from runtime.evaluation.evaluator import evaluate  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
 from runtime.pipeline import run  # noqa: E402
-from runtime.roles import build_engine, build_task  # noqa: E402
-from runtime.sft import run_sft  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
+from runtime.train.sft import run_sft  # noqa: E402
+from runtime.workloads.llm import build_engine, build_task  # noqa: E402
 
 
 def spec_data(args: argparse.Namespace, out: Path, model_dir: Path | None) -> dict:

@@ -61,19 +61,25 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.evaluator import evaluate  # noqa: E402
+from runtime.evaluation.evaluator import evaluate  # noqa: E402
 from runtime.metrics import read_jsonl  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
-from runtime.pipeline import run, thread_plan  # noqa: E402
-from runtime.roles import build_engine, build_task  # noqa: E402
+from runtime.pipeline import run  # noqa: E402
+from runtime.pipeline.driver import thread_plan  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
+from runtime.workloads.llm import build_engine, build_task  # noqa: E402
 
 # (name, pipeline.mode, extra pipeline fields, placement). "split": one trainer process and one
 # rollout process sharing the cores evenly (on 2 cores: one thread each, the CPU stand-in for a
 # trainer device and a rollout device); "shared": one process with all the cores.
 RUNS = (
     # throttle: generation waits for fresh weights instead of dropping stale samples (an async-only knob)
-    ("sync-split", "async", {"max_policy_lag": 0, "on_lag_exceeded": "throttle"}, "split"),  # lock-step, async placement
+    (
+        "sync-split",
+        "async",
+        {"max_policy_lag": 0, "on_lag_exceeded": "throttle"},
+        "split",
+    ),  # lock-step, async placement
     ("async", "async", {"on_lag_exceeded": "throttle"}, "split"),
     ("colocated", "colocated", {}, "shared"),
     ("sync", "sync", {}, "shared"),
@@ -187,7 +193,7 @@ def main() -> None:
         out = Path(tmp)
         model_dir = None
         if args.sft_steps:
-            from runtime.sft import run_sft
+            from runtime.train.sft import run_sft
 
             model_dir = out / "sft"
             run_sft(load_spec(base_spec(args, out, None)), args.sft_steps, model_dir)

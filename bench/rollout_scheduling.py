@@ -5,7 +5,7 @@ weights) serve the same requests three ways:
 
 * ``fifo`` — fixed-size batches in arrival order, static batching (a batch runs until its longest
   sequence ends); the instances pull the next batch from one shared queue when they are free.
-* ``length_aware`` — :class:`runtime.scheduler.Scheduler`: predicted lengths, quantile buckets,
+* ``length_aware`` — :class:`runtime.rollout.scheduling.Scheduler`: predicted lengths, quantile buckets,
   token-budget batches, long/short mixing into groups, queue-aware dispatch; static batching.
 * ``continuous`` — the same plan, each instance feeding all its requests through one continuous
   batcher (a finished sequence's slot is refilled at the next step), longest first.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.scheduler import Request, Scheduler, bubble_metrics  # noqa: E402
+from runtime.rollout.scheduling import Request, Scheduler, bubble_metrics  # noqa: E402
 
 INSTANCES = ("r0", "r1")
 

@@ -2,11 +2,11 @@
 without aggregation, in one run.
 
 1. *Bytes*: the same long-tailed samples (prompt lengths 16-256, response lengths heavy-tailed up to
-   ``--max-new-tokens``) serialised two ways with ``torch.save``: packed (``runtime.queue.pack_samples``:
+   ``--max-new-tokens``) serialised two ways with ``torch.save``: packed (``runtime.sample_queue.pack_samples``:
    flat tensors + lengths, what the pipeline sends) and padded (rows padded to the longest prompt and
    response, plus the attention masks a padded format needs). Target: packed <= 20% of padded.
 2. *Messages*: a real sender process streams finished GRPO groups through a real pipe to this process,
-   as a rollout instance does, (a) one message per group, (b) through ``runtime.transfer.Aggregator``
+   as a rollout instance does, (a) one message per group, (b) through ``runtime.rollout.transfer.Aggregator``
    (``--max-bytes`` or ``--window-s``, whichever first), and (c) aggregated with each message's bytes
    in shared memory (``ShmCourier``), the pipe carrying a reference; figures: groups/s and
    messages/s delivered, and the receiver's CPU seconds per group (the trainer's cost).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from runtime.queue import pack_samples, unpack_samples  # noqa: E402
+from runtime.sample_queue import pack_samples, unpack_samples  # noqa: E402
 from runtime.samples import Sample  # noqa: E402
 
 GROUP = 4
@@ -101,8 +101,8 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
     torch.set_num_threads(1)
     import os
 
-    from runtime.roles import to_bytes
-    from runtime.transfer import Aggregator, ShmCourier, sample_nbytes
+    from runtime.rollout.transfer import Aggregator, ShmCourier, sample_nbytes
+    from runtime.workloads.llm import to_bytes
 
     courier = ShmCourier(f"tandem-bench-{os.getpid()}-") if shm else None
 
@@ -126,8 +126,8 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
 
 
 def message_phase(groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float, shm: bool) -> dict:
-    from runtime.roles import from_bytes
-    from runtime.transfer import ShmCourier
+    from runtime.rollout.transfer import ShmCourier
+    from runtime.workloads.llm import from_bytes
 
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)

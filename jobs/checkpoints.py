@@ -13,7 +13,7 @@ the run's ``checkpoint`` policy keeps (``runtime.contract.retained``, the rule t
 runtime rotates by outside the platform: the newest ``keep_last`` of its resolved
 spec and the best by ``keep_best_metric``), every pinned one, and any a fork
 started from or a pending rollback points at; delete the rest (record and files).
-A managed run's runtime deletes nothing itself (runtime.role).
+A managed run's runtime deletes nothing itself (runtime.managed.entry).
 """
 
 from __future__ import annotations

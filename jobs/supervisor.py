@@ -141,7 +141,7 @@ def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
     spec = copy.deepcopy(run.resolved_spec)
     spec["output_dir"] = role.workdir
     # The checkpoint policy travels as the user wrote it: the platform applies it (jobs.checkpoints), and the
-    # trainer role's pipeline deletes no checkpoint itself (runtime.role switches its rotation off).
+    # trainer role's pipeline deletes no checkpoint itself (runtime.managed.entry switches its rotation off).
     # Live parameter changes survive a restart: the new attempt starts with the values in force.
     for dotted, value in commands.effective_params(run).items():
         section, _, name = dotted.partition(".")

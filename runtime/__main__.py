@@ -16,7 +16,7 @@ missing model path or dataset, a malformed dataset row, a broken tokenizer
 file, a device that is not there, a corrupt or partial checkpoint — is
 reported as one line naming the field (or file and row), with exit status 2. A failure during the run exits 1
 with a one-line reason. ``role`` also takes its settings from ``TANDEM_*``
-environment variables (runtime.role, docs/runtime-role.md).
+environment variables (runtime.managed.entry, docs/runtime-role.md).
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ class UsageError(Exception):
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (imported lazily: ``validate`` needs no torch)."""
-    from runtime.algos import AlgorithmError
     from runtime.checkpoint import CheckpointError
     from runtime.devices import DeviceError
+    from runtime.managed.entry import RoleInputError
     from runtime.models import ModelError
-    from runtime.role import RoleInputError
     from runtime.tasks import TaskError
-    from runtime.trainer import TrainerError
+    from runtime.train.algos import AlgorithmError
+    from runtime.train.trainer import TrainerError
 
     # Every error class the runtime raises for what it was given (spec, dataset rows, model directory,
     # tokenizer, checkpoint, device): the platform fails the run once on exit 2 and blames no host.
@@ -66,10 +66,10 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
-    from runtime.algos import get_algorithm
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
-    from runtime.roles import trainer_devices_here
+    from runtime.placement import trainer_devices_here
+    from runtime.train.algos import get_algorithm
 
     resolve_device(spec.resources.device, 0)
     if spec.resources.device != "cpu":  # this host's devices: its trainer ranks, rollout devices, evaluator
@@ -94,7 +94,7 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
 def _checkpoint(where: str) -> Path:
     """The verified checkpoint at (or newest under) ``where``."""
     from runtime.checkpoint import verify_checkpoint
-    from runtime.pipeline import PipelineError, resolve_resume
+    from runtime.pipeline.driver import PipelineError, resolve_resume
 
     try:
         path = resolve_resume(where)
@@ -124,7 +124,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from runtime.sft import run_sft
+    from runtime.train.sft import run_sft
 
     spec = load_spec(args.spec, args.overrides)
     preflight(spec)
@@ -151,9 +151,9 @@ def _eval_spec(args: argparse.Namespace) -> tuple[RunSpec, Path]:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device, set_threads
-    from runtime.evaluator import evaluate
+    from runtime.evaluation.evaluator import evaluate
     from runtime.models import build_policy
-    from runtime.roles import build_engine, build_task
+    from runtime.workloads.llm import build_engine, build_task
 
     spec, ckpt = _eval_spec(args)
     preflight(spec)
@@ -174,8 +174,8 @@ def _serve_the_trainer(args: argparse.Namespace, make: Callable[[Any, Callable[[
     ``make(spec, log)`` builds it (a remote rollout instance, the remote evaluator)."""
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RolloutRefused, endpoint_path
+    from runtime.rollout.link import env_key
+    from runtime.rollout.remote import RolloutRefused, endpoint_path
 
     spec = load_spec(args.spec, args.overrides)
     resolve_device(spec.resources.device, 0)
@@ -189,13 +189,13 @@ def _serve_the_trainer(args: argparse.Namespace, make: Callable[[Any, Callable[[
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from runtime.rollout_remote import RemoteInstance
+    from runtime.rollout.remote import RemoteInstance
 
     return _serve_the_trainer(args, lambda spec, log: RemoteInstance(spec, args.index, log=log))
 
 
 def _cmd_evaluator(args: argparse.Namespace) -> int:
-    from runtime.evaluator_remote import EvaluatorProcess, require_remote
+    from runtime.evaluation.remote import EvaluatorProcess, require_remote
 
     def make(spec: Any, log: Callable[[str], None]) -> EvaluatorProcess:
         require_remote(spec)
@@ -206,8 +206,9 @@ def _cmd_evaluator(args: argparse.Namespace) -> int:
 
 def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device
-    from runtime.pipeline import thread_plan
-    from runtime.trainer_group import TrainerGroupError, parse_ranks, serve_ranks
+    from runtime.pipeline.driver import thread_plan
+    from runtime.placement import TrainerGroupError, parse_ranks
+    from runtime.train.group import serve_ranks
 
     spec = load_spec(args.spec, args.overrides)
     try:
@@ -223,8 +224,8 @@ def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
-    from runtime import role
     from runtime.devices import resolve_device
+    from runtime.managed import entry as role
 
     options = role.parse_args(args.rest)
     env = role.read_env(os.environ)
@@ -297,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "role", add_help=False, help="run one role of a platform-managed run (settings from TANDEM_* variables)"
     )
-    # Parsed by runtime.role, so that bad arguments are one line naming the argument (exit 2).
+    # Parsed by runtime.managed.entry, so that bad arguments are one line naming the argument (exit 2).
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_role)
     return parser
@@ -306,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["role"]:
-        # runtime.role parses the rest itself: argparse's REMAINDER cannot take a leading option
+        # runtime.managed.entry parses the rest itself: argparse's REMAINDER cannot take a leading option
         # (`role --spec F trainer`), and a bad argument must be one line naming it, not a usage block.
         return _guarded(lambda: _cmd_role(argparse.Namespace(rest=argv[1:])), _input_errors())
     parser = build_parser()

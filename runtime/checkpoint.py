@@ -42,7 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from runtime import queue as queue_format
+from runtime import sample_queue as queue_format
 from runtime.contract import best_checkpoint, retained
 from runtime.samples import Prompt, Sample
 
@@ -439,7 +439,7 @@ def restore_rng(state: Mapping[str, Any], strict: bool = True) -> None:
 
 
 def pack_samples(samples: list[Sample]) -> dict[str, Any]:
-    """Samples in the queue's packed format (:func:`runtime.queue.pack_samples`), ready for ``save``."""
+    """Samples in the queue's packed format (:func:`runtime.sample_queue.pack_samples`), ready for ``save``."""
     try:
         return queue_format.pack_samples(samples)
     except queue_format.PackError as exc:

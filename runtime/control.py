@@ -2,7 +2,7 @@
 
 The platform's commands (pause, resume, stop, cancel, rollback, live parameter
 changes, preemption) reach a role process on its ingest replies; the role
-(``runtime.role``) turns each into a :class:`Directive` and submits it here.
+(``runtime.managed.entry``) turns each into a :class:`Directive` and submits it here.
 The pipeline (``runtime.pipeline.run(..., control=...)``) takes the pending
 directives at every step boundary, applies them in order and reports each
 result through :meth:`Control.finished`, which the role overrides to

@@ -4,7 +4,7 @@ Every key a runtime component reports is one of :data:`METRICS` (a name and
 its one-line meaning); use the constants, not string literals. Reporters
 implement :class:`Reporter`: a terminal progress line, a JSONL file,
 TensorBoard (when installed), and the platform's HTTP reporter
-(``runtime.reporting_http``). This module needs only the standard library.
+(``runtime.managed.reporter``). This module needs only the standard library.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Plain dataclasses of Python lists so they pickle cheaply and cross process
 boundaries; the packed transfer format (flat tensors + lengths) is built from
-these in ``runtime.queue``.
+these in ``runtime.sample_queue``.
 """
 
 from __future__ import annotations

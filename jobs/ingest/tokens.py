@@ -28,7 +28,7 @@ RUN_TOKEN_PREFIX = "tdr_"
 # Long enough for a long run; the launch step mints a fresh token per attempt anyway.
 DEFAULT_TTL = datetime.timedelta(days=30)
 # The run states that end its tokens. Not PREEMPTED: the run is requeued, and the next attempt drains the
-# ended attempt's spool with that attempt's token (runtime.role.drain_older_spools).
+# ended attempt's spool with that attempt's token (runtime.managed.entry.drain_older_spools).
 REVOKED_AT = TERMINAL_STATES - {RunState.PREEMPTED}
 
 

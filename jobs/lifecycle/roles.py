@@ -35,7 +35,7 @@ def remote_evaluator(run: Run) -> bool:
 
 
 def uses_link(run: Run) -> bool:
-    """Whether roles of the run connect to trainer-0 (runtime.rollout_link): remote rollout roles, the evaluator."""
+    """Whether roles of the run connect to trainer-0 (runtime.rollout.link): remote rollout roles, the evaluator."""
     return remote_rollout_workers(run) > 0 or remote_evaluator(run)
 
 

@@ -14,7 +14,7 @@ import pytest
 from jobs import commands
 from jobs.ingest.tokens import mint_run_token
 from jobs.models import MetricPoint, RunEvent
-from runtime.reporting_http import HttpReporter
+from runtime.managed.reporter import HttpReporter
 from tests.ingest.helpers import Proxy
 
 

@@ -22,10 +22,10 @@ from jobs import commands
 from jobs.ingest.tokens import mint_run_token
 from jobs.models import CheckpointRecord, Command, MetricPoint, RoleHeartbeat, RunEvent, RunStreamEntry
 from jobs.states import RunState
-from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl
 from runtime.contract import HEARTBEAT_PATH
+from runtime.managed.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl
+from runtime.managed.reporter import HttpReporter, JsonPoster
 from runtime.metrics import read_jsonl
-from runtime.reporting_http import HttpReporter, JsonPoster
 from tests.ingest.helpers import Proxy
 
 pytestmark = pytest.mark.django_db(transaction=True)

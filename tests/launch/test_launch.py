@@ -271,7 +271,7 @@ def test_what_an_ended_role_could_not_deliver_is_stored_from_its_spool(launched)
 
     from jobs.ingest.tokens import mint_run_token
     from runtime.contract import spool_dir
-    from runtime.reporting_http import HttpReporter
+    from runtime.managed.reporter import HttpReporter
 
     run, role = launched()
     handler.transition(run, RunState.RUNNING)

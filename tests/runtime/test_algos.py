@@ -1,4 +1,4 @@
-"""Numeric tests of the pure learning math in runtime.algos, and of the algorithm registry."""
+"""Numeric tests of the pure learning math in runtime.train.algos, and of the algorithm registry."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from runtime.algos import (
+from runtime.spec import AlgorithmSpec
+from runtime.train.algos import (
     Algorithm,
     AlgorithmError,
     PolicyBatch,
@@ -22,8 +23,7 @@ from runtime.algos import (
     registered_algorithms,
     value_loss,
 )
-from runtime.algos.grpo import policy_loss
-from runtime.spec import AlgorithmSpec
+from runtime.train.algos.grpo import policy_loss
 
 torch.set_num_threads(1)
 
@@ -321,7 +321,7 @@ def test_bad_algorithm_names_are_clear_errors(name, message):
 
 
 def test_adamw_update_skips_a_non_finite_gradient():
-    from runtime.algos import UpdateContext
+    from runtime.train.algos import UpdateContext
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -110,7 +110,7 @@ def test_a_hung_instance_is_killed_and_replaced_and_nothing_is_lost(tmp_path, mo
     """copying: it froze while copying published weights, holding the shared buffer's lock, so the
     trainer's next publish waits on it — and must find it out from there (the publishing thread is
     the one that supervises the instances)."""
-    from runtime.weights import HOLDER, WeightService
+    from runtime.weights.service import HOLDER, WeightService
 
     # one instance: the run cannot go on until the frozen one is found out and replaced
     # 5 s: a healthy instance beats every second, with room for a loaded machine's hiccups

@@ -45,7 +45,7 @@ def test_validate_as_a_subprocess_imports_no_platform_module():
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout)["pipeline"]["max_policy_lag"] == 3
     code = (
-        "import sys, runtime.pipeline, runtime.__main__; "
+        "import sys, runtime.pipeline.driver, runtime.__main__; "
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {PLATFORM!r}))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -23,8 +23,8 @@ from runtime.contract import (
     record_problems,
     retained,
 )
+from runtime.managed.reporter import HttpReporter
 from runtime.metrics import ReporterError
-from runtime.reporting_http import HttpReporter
 
 # --- retention ------------------------------------------------------------------------------------------
 
@@ -190,9 +190,9 @@ def test_the_reporter_refuses_such_a_record_instead_of_spooling_it(platform, tmp
 @pytest.fixture
 def managed_run(tmp_path, platform):
     """A 3-step trainer role (checkpoint every step, keep_last 1) reporting to ``platform``."""
-    from runtime.pipeline import CHECKPOINT_DIR, RESOLVED_SPEC
-    from runtime.role import TrainerRole
-    from runtime.role import read_env as role_env
+    from runtime.managed.entry import TrainerRole
+    from runtime.managed.entry import read_env as role_env
+    from runtime.pipeline.driver import CHECKPOINT_DIR, RESOLVED_SPEC
     from tests.runtime.helpers import tiny_spec
 
     spec = tiny_spec(tmp_path, "managed", pipeline__steps=3, checkpoint__interval=1, checkpoint__keep_last=1)

@@ -104,7 +104,7 @@ def test_probe_inventory_cpu_and_absent_tools():
 
 
 def test_each_process_kind_has_its_own_device_index():
-    from runtime.roles import eval_device_index, rollout_device_index
+    from runtime.placement import eval_device_index, rollout_device_index
     from runtime.spec import load_spec
 
     accel = {"device": "cuda", "trainer_devices": 2, "rollout_devices": 3}
@@ -117,7 +117,7 @@ def test_each_process_kind_has_its_own_device_index():
 
 
 def test_with_trainer_ranks_on_other_hosts_this_hosts_devices_follow_its_own_ranks(monkeypatch):
-    from runtime.roles import eval_device_index, rollout_device_index
+    from runtime.placement import eval_device_index, rollout_device_index
     from runtime.spec import load_spec
 
     spec = load_spec(

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.evaluator import evaluate
+from runtime.evaluation.evaluator import evaluate
 from runtime.models import build_policy
 from runtime.pipeline import run
-from runtime.roles import build_engine, build_task
-from runtime.sft import run_sft
 from runtime.spec import load_spec
+from runtime.train.sft import run_sft
+from runtime.workloads.llm import build_engine, build_task
 
 MARGIN = 0.08
 

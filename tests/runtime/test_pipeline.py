@@ -7,7 +7,8 @@ import torch
 
 from runtime.checkpoint import load_checkpoint
 from runtime.metrics import read_jsonl
-from runtime.pipeline import CHECKPOINT_DIR, RESOLVED_SPEC, run
+from runtime.pipeline import run
+from runtime.pipeline.driver import CHECKPOINT_DIR, RESOLVED_SPEC
 from tests.runtime.helpers import tiny_spec
 
 
@@ -150,8 +151,8 @@ def test_stop_hook_ends_the_run_as_if_it_were_the_last_step(tmp_path):
 
 
 def test_prompt_source_cycles_reissues_first_and_roundtrips():
-    from runtime.roles import PromptSource, WorkItem
     from runtime.samples import Prompt
+    from runtime.workloads.llm import PromptSource, WorkItem
 
     prompts = [Prompt(10 + i, f"p{i}", f"a{i}") for i in range(3)]
     src = PromptSource(prompts)

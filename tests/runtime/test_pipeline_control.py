@@ -1,4 +1,4 @@
-"""Directives at step boundaries (runtime.control -> runtime.pipeline) on a tiny model.
+"""Directives at step boundaries (runtime.control -> runtime.pipeline.driver) on a tiny model.
 
 Directives are submitted from a reporter when a given step's metrics arrive, so they are
 taken at exactly that step's boundary; a Control subclass logs each acknowledgement in the
@@ -17,7 +17,8 @@ import torch
 from runtime import metrics as M
 from runtime.checkpoint import load_checkpoint
 from runtime.control import Control, Directive
-from runtime.pipeline import CHECKPOINT_DIR, REWOUND_DIR, run
+from runtime.pipeline import run
+from runtime.pipeline.driver import CHECKPOINT_DIR, REWOUND_DIR
 from tests.runtime.helpers import derived, tiny_spec
 
 BASE = derived(pipeline={"mode": "sync", "steps": 5}, checkpoint={"interval": 1, "keep_last": 10})

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.queue import QueueClosed, SampleQueue, pack_samples, unpack_samples
+from runtime.sample_queue import QueueClosed, SampleQueue, pack_samples, unpack_samples
 from runtime.samples import Sample
 
 

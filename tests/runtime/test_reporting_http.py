@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from runtime.contract import SPOOL_FILE
+from runtime.managed.reporter import HttpReporter
 from runtime.metrics import ReporterError
-from runtime.reporting_http import HttpReporter
 
 TOKEN = "run-token-123"
 

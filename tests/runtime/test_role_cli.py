@@ -10,7 +10,7 @@ import pytest
 
 from runtime.__main__ import main
 from runtime.contract import TRAINER_ROLE
-from runtime.role import DEFAULT_HEARTBEAT_S, RoleInputError, read_env
+from runtime.managed.entry import DEFAULT_HEARTBEAT_S, RoleInputError, read_env
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD_ENV = {

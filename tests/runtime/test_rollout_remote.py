@@ -28,7 +28,7 @@ from runtime.contract import ENDPOINT_FILE
 from runtime.control import Control
 from runtime.metrics import read_jsonl
 from runtime.pipeline import run
-from runtime.rollout_link import (
+from runtime.rollout.link import (
     Endpoint,
     LinkError,
     Refused,
@@ -39,7 +39,7 @@ from runtime.rollout_link import (
     read_endpoint,
     write_endpoint,
 )
-from runtime.rollout_remote import NetSubscriber
+from runtime.rollout.remote import NetSubscriber
 from runtime.spec import SpecError, load_spec
 from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 
@@ -384,7 +384,7 @@ def test_a_silent_remote_instance_is_cut_off_and_its_index_served_by_a_new_proce
 
 
 def test_weights_with_tied_tensors_are_serialised_for_the_link():
-    from runtime.rollout_link import WeightBlobs
+    from runtime.rollout.link import WeightBlobs
 
     shared = torch.arange(6, dtype=torch.float32).view(2, 3)
     state = {"embed.weight": shared, "head.weight": shared, "norm.weight": torch.ones(3)}  # tied, as HF ties them
@@ -454,7 +454,7 @@ def test_both_ends_of_a_link_probe_a_silent_peer_with_tcp_keepalive():
 def test_a_broadcast_group_of_its_own_delivers_every_tensor_bit_for_bit():
     import threading
 
-    from runtime.weight_broadcast import BroadcastReceiver, BroadcastSender, manifest_of
+    from runtime.weights.broadcast import BroadcastReceiver, BroadcastSender, manifest_of
 
     embed = torch.randn(7, 3)
     versions = [

@@ -20,8 +20,9 @@ import torch
 
 from runtime.control import Control
 from runtime.metrics import read_jsonl
-from runtime.pipeline import PipelineError, run
-from runtime.weights import WeightService, WeightSubscriber
+from runtime.pipeline import run
+from runtime.pipeline.driver import PipelineError
+from runtime.weights.service import WeightService, WeightSubscriber
 from tests.runtime.helpers import derived, tiny_spec
 
 BASE = derived(

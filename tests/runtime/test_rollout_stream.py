@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from runtime.models import build_policy
-from runtime.queue import pack_samples
 from runtime.rollout import Engine, SamplingParams
+from runtime.rollout.scheduling import BubbleMeter, Dispatcher, InstanceScaler
+from runtime.rollout.transfer import Aggregator, sample_nbytes
+from runtime.sample_queue import pack_samples
 from runtime.samples import Sample
-from runtime.scheduler import BubbleMeter, Dispatcher, InstanceScaler
 from runtime.spec import ModelSpec
-from runtime.transfer import Aggregator, sample_nbytes
 
 torch.set_num_threads(1)
 
@@ -185,9 +185,9 @@ class InstanceHarness:
         from multiprocessing import Pipe
 
         from runtime.models import build_policy
-        from runtime.roles import build_engine, build_task
-        from runtime.rollout_instance import RolloutInstance
-        from runtime.weights import WeightService, WeightSubscriber
+        from runtime.rollout.instance import RolloutInstance
+        from runtime.weights.service import WeightService, WeightSubscriber
+        from runtime.workloads.llm import build_engine, build_task
         from tests.runtime.helpers import TINY, tiny_spec
 
         self.spec = tiny_spec(tmp_path, "inst", TINY, pipeline__mode="async", pipeline__transfer_window_s=0.0, **over)
@@ -212,8 +212,8 @@ class InstanceHarness:
 
     def results(self, want: int, timeout: float = 60.0) -> list[tuple[dict, list]]:
         """Result messages until ``want`` groups (kept or dropped) are back."""
-        from runtime.queue import unpack_samples
-        from runtime.roles import from_bytes
+        from runtime.sample_queue import unpack_samples
+        from runtime.workloads.llm import from_bytes
 
         out, got, deadline = [], 0, time.monotonic() + timeout
         while got < want:
@@ -232,8 +232,8 @@ class InstanceHarness:
 
 
 def items(*specs):
-    from runtime.roles import WorkItem
     from runtime.samples import Prompt
+    from runtime.workloads.llm import WorkItem
 
     return [
         (ticket, WorkItem(index=ticket, prompt=Prompt(ticket, "abc", "cba", 3), min_version=v)) for ticket, v in specs
@@ -282,7 +282,7 @@ def shm_names(prefix):
 
 
 def test_large_messages_cross_through_shared_memory_and_leave_nothing_behind():
-    from runtime.transfer import ShmCourier
+    from runtime.rollout.transfer import ShmCourier
 
     prefix = f"tandem-test-{time.monotonic_ns()}-"
     courier = ShmCourier(prefix, min_bytes=1000)
@@ -297,7 +297,7 @@ def test_large_messages_cross_through_shared_memory_and_leave_nothing_behind():
 
 
 def test_sweep_removes_the_segments_of_a_dead_sender_only():
-    from runtime.transfer import ShmCourier, sweep
+    from runtime.rollout.transfer import ShmCourier, sweep
 
     stamp = time.monotonic_ns()
     dead, alive = ShmCourier(f"tandem-test-{stamp}-0-", 1), ShmCourier(f"tandem-test-{stamp}-1-", 1)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from runtime.scheduler import (
+from runtime.rollout.scheduling import (
     BubbleMeter,
     Dispatcher,
     LengthPredictor,

@@ -10,9 +10,9 @@ import torch
 from runtime.devices import DeviceError
 from runtime.models import CharTokenizer, build_policy
 from runtime.rollout import Engine, SamplingParams
-from runtime.sft import SFT_METRICS_FILE, accuracy, encode_example, run_sft, sft_batch
 from runtime.spec import ModelSpec, load_spec
 from runtime.tasks import TaskError, build_task
+from runtime.train.sft import SFT_METRICS_FILE, accuracy, encode_example, run_sft, sft_batch
 
 torch.set_num_threads(1)
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-import runtime.pipeline_async
+import runtime.pipeline.instance_pool
 from runtime import spec as spec_module
 from runtime.pipeline import run
-from runtime.rollout_instance import rollout_process
+from runtime.rollout.instance import rollout_process
 from runtime.spec import MODE_ONLY, RunSpec, load_spec
 from tests.runtime.helpers import TINY, derived, tiny_spec
 from tests.runtime.reward_server import RewardServer
@@ -170,7 +170,7 @@ def recorded(monkeypatch, tmp_path):
     monkeypatch.setattr(spec_module._Section, "__getattribute__", _recording_getattribute(reads))
     sink = tmp_path / "rollout-reads"
     sink.mkdir()
-    monkeypatch.setattr(runtime.pipeline_async, "rollout_process", _RecordingRolloutProcess(sink))
+    monkeypatch.setattr(runtime.pipeline.instance_pool, "rollout_process", _RecordingRolloutProcess(sink))
     return Recorded(reads, sink)
 
 

@@ -11,12 +11,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from runtime import metrics as M
-from runtime.algos import Algorithm, adamw_update
-from runtime.algos.grpo import policy_loss
 from runtime.models import ValueModel, build_policy, token_logprobs
 from runtime.samples import Sample
 from runtime.spec import ModelSpec, load_spec
-from runtime.trainer import Trainer, TrainerError, make_micro_batches, padded_tokens, padding_ratio
+from runtime.train.algos import Algorithm, adamw_update
+from runtime.train.algos.grpo import policy_loss
+from runtime.train.trainer import Trainer, TrainerError, make_micro_batches, padded_tokens, padding_ratio
 
 torch.set_num_threads(1)
 

@@ -15,8 +15,10 @@ import torch
 from runtime.checkpoint import load_checkpoint
 from runtime.control import Control, Directive
 from runtime.metrics import read_jsonl
-from runtime.pipeline import CHECKPOINT_DIR, run
-from runtime.trainer_group import TrainerGroup, TrainerGroupError, shards
+from runtime.pipeline import run
+from runtime.pipeline.driver import CHECKPOINT_DIR
+from runtime.placement import TrainerGroupError
+from runtime.train.group import TrainerGroup, shards
 from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 
 BASE = derived(seed=7, pipeline={"steps": 2}, checkpoint={"interval": 0}, trainer={"collective_timeout_s": 60})
@@ -154,7 +156,7 @@ def test_ranks_in_a_process_of_their_own_train_like_ranks_the_leader_started(tmp
 
 
 def test_rank_lists_are_checked_with_the_variable_named(monkeypatch):
-    from runtime.trainer_group import local_ranks, parse_ranks
+    from runtime.placement import local_ranks, parse_ranks
 
     assert parse_ranks("2-3", 4, "--ranks") == range(2, 4) and parse_ranks("1", 4, "--ranks") == range(1, 2)
     with pytest.raises(TrainerGroupError, match=r"--ranks: '3-4' is not within the run's ranks 0-3"):

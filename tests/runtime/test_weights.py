@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.weights import WeightError, WeightService, WeightSubscriber, copy_into
+from runtime.weights.service import WeightError, WeightService, WeightSubscriber, copy_into
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:

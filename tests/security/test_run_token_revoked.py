@@ -22,7 +22,7 @@ from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, RunRole, R
 from jobs.models import RoleState as R
 from jobs.states import RunState
 from runtime.contract import spool_dir
-from runtime.reporting_http import HttpReporter, JsonPoster
+from runtime.managed.reporter import HttpReporter, JsonPoster
 from tests.ingest.helpers import batch, post, stored
 from tests.launch.helpers import launch_captured, wait_for
 

@@ -7,9 +7,9 @@
   optimizer state offloaded to host memory while generating.
 * ``async`` — ``resources.rollout_workers`` rollout processes (spawned, each
   with its own engine, threads, work queue and result pipe) generate
-  continuously into the bounded :class:`~runtime.queue.SampleQueue` while the
+  continuously into the bounded :class:`~runtime.sample_queue.SampleQueue` while the
   trainer trains; weights reach them through the shared-memory
-  :class:`~runtime.weights.WeightService`. A sample whose oldest token is more
+  :class:`~runtime.weights.service.WeightService`. A sample whose oldest token is more
   than ``max_policy_lag`` versions behind the trainer when it is consumed is
   never trained on: ``throttle`` keeps it from being generated (work items
   carry the oldest version allowed to generate them), ``drop`` discards and
@@ -20,13 +20,13 @@
   trainer no longer holds (a dead process's, or from before a rollback) is
   dropped, so no sample is lost or trained on twice.
 
-The modes live in ``runtime.pipeline_inline`` (sync, colocated) and
-``runtime.pipeline_async``; what they share — models, trainer, data, weights,
+The modes live in ``runtime.pipeline.inline`` (sync, colocated) and
+``runtime.pipeline.async_mode``; what they share — models, trainer, data, weights,
 checkpoints, reporters, evaluation and the step boundary with its
 directives — is :class:`RunContext` here.
 
-The driver only calls roles (``runtime.roles``: prompt source, rollout
-worker; ``runtime.trainer``; ``runtime.evaluator``) and never looks inside a
+The driver only calls roles (``runtime.workloads.llm``: prompt source, rollout
+worker; ``runtime.train.trainer``; ``runtime.evaluation.evaluator``) and never looks inside a
 sample. Every ``checkpoint.interval`` steps (and at the end) the full state
 is saved: trainer (policy, critic, optimizers, schedulers), RNG states, data
 cursor, the queue's contents and the prompts in flight, weight version, step
@@ -45,24 +45,26 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
 from runtime import metrics as M
 from runtime.contract import live_param_problems
 from runtime.control import Control, Directive
-from runtime.evaluator import evaluate
-from runtime.roles import (
+from runtime.evaluation.evaluator import evaluate
+from runtime.samples import Sample
+from runtime.spec import RunSpec
+from runtime.weights.service import WeightService
+from runtime.workloads.llm import (
     PromptSource,
     build_models,
     build_task,
 )
-from runtime.samples import Sample
-from runtime.spec import RunSpec
-from runtime.weights import WeightService
+
+if TYPE_CHECKING:
+    from runtime.checkpoint import CheckpointManager
 
 CHECKPOINT_DIR = "checkpoints"
 REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: checkpoints of a timeline a rollback abandoned
@@ -106,6 +108,29 @@ def resolve_resume(path: str | Path) -> Path:
     raise PipelineError(f"--resume: no complete checkpoint in {p}")
 
 
+def _trainer_device(spec: RunSpec) -> Any:
+    from runtime.devices import resolve_device
+
+    return resolve_device(spec.resources.device, 0)
+
+
+def _read_resume(resume: Path | None) -> tuple[Path | None, dict | None]:
+    """The checkpoint a resumed run continues from, and its state (None, None for a fresh run)."""
+    from runtime.checkpoint import load_checkpoint
+
+    resume_path = resolve_resume(resume) if resume is not None else None
+    resume_state = load_checkpoint(resume_path) if resume_path is not None else None
+    return resume_path, resume_state
+
+
+def _prepare_output_dir(spec: RunSpec) -> Path:
+    """The run's output directory, with the resolved spec it runs."""
+    out_dir = spec.resolved_output_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESOLVED_SPEC).write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
+    return out_dir
+
+
 class _Mode(Protocol):
     """What the step-boundary logic needs from a mode's driver."""
 
@@ -137,56 +162,97 @@ class RunContext:
         control: Control | None = None,
         rotate_checkpoints: bool = True,
     ):
-        from runtime.checkpoint import CheckpointManager, load_checkpoint
-        from runtime.devices import manual_seed_all, resolve_device, set_threads
-        from runtime.trainer import Trainer
+        self.spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
+        self._init_control(stop, control)
+        self.device = _trainer_device(self.spec)
+        resume_path, self.resume_state = _read_resume(resume)
+        self._set_threads_and_seed()
+        self.out_dir = _prepare_output_dir(self.spec)
+        self._build_models_and_trainer()
+        self._build_data()
+        self.weights = WeightService(keep=2)
+        self.ckpt = self._checkpoint_manager(rotate_checkpoints)
+        self._restore_progress(self.resume_state)
+        self.reporters = reporters if reporters is not None else self._build_reporters(self.resume_state)
+        self._init_trace_and_marks(resume_path)
+        if self.resume_state is not None:
+            self.reporters.event("resume", {"step": self.start_step})
 
-        spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
-        self.spec = spec
+    # ---- building the run --------------------------------------------------
+    def _init_control(self, stop: Any, control: Control | None) -> None:
+        """How the run ends and what its controller sees: nothing decided yet."""
         self.stop = stop
         self.control = control
-        self.final_step = spec.pipeline.steps  # lowered when ``stop`` or a stop directive ends the run early
+        self.final_step = self.spec.pipeline.steps  # lowered when ``stop`` or a stop directive ends the run early
         self.outcome = "completed"
         self.paused = False
         self.ending: str | None = None  # "stopped" | "preempted" | "cancelled" once such a directive is taken
         self.stop_acks: list[Directive] = []  # stop / preempt, acknowledged once the final checkpoint is written
         self.status_step = 0
-        self.device = resolve_device(spec.resources.device, 0)
-        resume_path = resolve_resume(resume) if resume is not None else None
-        resume_state = load_checkpoint(resume_path) if resume_path is not None else None
-        self.trainer_threads, self.rollout_threads = thread_plan(spec)
+
+    def _set_threads_and_seed(self) -> None:
+        from runtime.devices import manual_seed_all, set_threads
+
+        self.trainer_threads, self.rollout_threads = thread_plan(self.spec)
         set_threads(self.trainer_threads)
-        manual_seed_all(spec.seed)
+        manual_seed_all(self.spec.seed)
 
-        self.out_dir = spec.resolved_output_dir()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / RESOLVED_SPEC).write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
+    def _build_models_and_trainer(self) -> None:
+        from runtime.train.trainer import Trainer
 
-        self.models = build_models(spec, self.device)
+        self.models = build_models(self.spec, self.device)
         self.tokenizer = self.models.tokenizer
         self.trainer = self._build_trainer(Trainer)
-        self.task = build_task(spec)
+
+    def _build_trainer(self, trainer_cls: Any) -> Any:
+        """This process's trainer; with ``resources.trainer_devices`` > 1 the leader of a data-parallel
+        group of trainer ranks (:mod:`runtime.train.group`)."""
+        m = self.models
+        if self.spec.resources.trainer_devices == 1:
+            return trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic)
+        from runtime.train.group import TrainerGroup, start_group
+
+        group, followers = start_group(self.spec, self.trainer_threads)
+        try:
+            local = trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic, group)
+            return TrainerGroup(local, followers)
+        except BaseException:
+            TrainerGroup.abandon(followers)
+            raise
+
+    def _build_data(self) -> None:
+        """The task, its training prompts (the prompt source) and its held-out prompts."""
+        self.task = build_task(self.spec)
         self.source = PromptSource(self.task.train_prompts())
         self.prompt_by_id = {p.prompt_id: p for p in self.source.prompts}
         self.eval_prompts = self.task.eval_prompts()
-        self.weights = WeightService(keep=2)
-        self.ckpt = CheckpointManager(
+
+    def _checkpoint_manager(self, rotate: bool) -> CheckpointManager:
+        from runtime.checkpoint import CheckpointManager
+
+        spec = self.spec
+        return CheckpointManager(
             self.out_dir / CHECKPOINT_DIR,
             keep_last=spec.checkpoint.keep_last,
             keep_best_metric=spec.checkpoint.keep_best_metric,
             keep_best_mode=spec.checkpoint.keep_best_mode,
-            rotate=rotate_checkpoints,  # off under the platform: retention is its (runtime.role)
+            rotate=rotate,  # off under the platform: retention is its (runtime.managed.entry)
         )
+
+    def _restore_progress(self, resume_state: dict | None) -> None:
+        """Step, counters, trainer, RNG, data cursor and weight version: from zero, or the checkpoint's."""
         self.start_step = 0
         self.dropped_total = 0
-        self.resume_state = resume_state
-        jsonl_cursor = None
         if resume_state is not None:
             self._load(resume_state)
-            jsonl_cursor = resume_state["pipeline"].get("metrics_cursor")
-        if reporters is None:
-            reporters = M.build_reporters(spec.metrics, self.out_dir, spec.pipeline.steps, jsonl_cursor=jsonl_cursor)
-        self.reporters = reporters
+
+    def _build_reporters(self, resume_state: dict | None) -> Any:
+        """The spec's reporters; a resumed run's metrics file continues from the checkpoint's cursor."""
+        jsonl_cursor = resume_state["pipeline"].get("metrics_cursor") if resume_state is not None else None
+        return M.build_reporters(self.spec.metrics, self.out_dir, self.spec.pipeline.steps, jsonl_cursor=jsonl_cursor)
+
+    def _init_trace_and_marks(self, resume_path: Path | None) -> None:
+        """What this timeline consumed, evaluated and checkpointed so far."""
         # consumed: group ids per step of the current timeline (a rollback moves rewound steps to "rewound")
         self.trace: dict[str, list] = {"consumed": [], "dropped": [], "leftover": [], "rewound": []}
         self.trace_start = self.start_step  # the step before trace["consumed"][0]
@@ -196,25 +262,8 @@ class RunContext:
         self.eval_step = -1  # the last step evaluated (or submitted for evaluation)
         self.ckpt_step = -1  # the step of the current timeline's newest checkpoint
         self.ckpt_path: Path | None = None
-        if resume_state is not None:
+        if resume_path is not None:  # the checkpoint resumed from is this timeline's newest
             self.ckpt_step, self.ckpt_path = self.start_step, resume_path
-            self.reporters.event("resume", {"step": self.start_step})
-
-    def _build_trainer(self, trainer_cls: Any) -> Any:
-        """This process's trainer; with ``resources.trainer_devices`` > 1 the leader of a data-parallel
-        group of trainer ranks (:mod:`runtime.trainer_group`)."""
-        m = self.models
-        if self.spec.resources.trainer_devices == 1:
-            return trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic)
-        from runtime.trainer_group import TrainerGroup, start_group
-
-        group, followers = start_group(self.spec, self.trainer_threads)
-        try:
-            local = trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic, group)
-            return TrainerGroup(local, followers)
-        except BaseException:
-            TrainerGroup.abandon(followers)
-            raise
 
     def close_trainer(self) -> None:
         close = getattr(self.trainer, "close", None)  # a TrainerGroup's followers stop here
@@ -427,7 +476,7 @@ class RunContext:
     def close_control(self, error: BaseException | None) -> None:
         """The run is over. Directives it never applied are left to the controller: pending ones stay
         in the Control, and one taken but unanswered (a stop whose checkpoint failed) is not answered
-        either, so that a restarted attempt can apply them (the role decides; see runtime.role)."""
+        either, so that a restarted attempt can apply them (the role decides; see runtime.managed.entry)."""
         if self.control is not None and error is None:
             self.control.update(status="finished")
 
@@ -541,43 +590,6 @@ class RunContext:
         self.trace["consumed"] = self.trace["consumed"][:keep]
         self.trace["dropped"] = self.trace["dropped"][:mark]
         self.dropped_marks = {s: m for s, m in self.dropped_marks.items() if s <= step}
-
-
-def run(
-    spec: RunSpec,
-    resume: str | Path | None = None,
-    reporters: Any = None,
-    stop: Callable[[int, dict[str, float]], bool] | None = None,
-    control: Control | None = None,
-    rotate_checkpoints: bool = True,
-) -> dict[str, Any]:
-    """Run ``spec`` to ``pipeline.steps`` (continuing from the checkpoint ``resume`` when given).
-
-    ``stop(step, metrics)``, checked after every step, ends the run early as if that step were
-    the last (final evaluation and checkpoint included): a wall-clock budget, for instance.
-    ``control`` brings directives (pause, stop, rollback, ...), applied at step boundaries, and
-    receives the run's status. Returns the final step's metrics, the evaluations, the outcome
-    (completed, stopped, preempted, cancelled), and a trace of the issue indices consumed per
-    step / dropped / left over (queue and in flight) at the end. ``rotate_checkpoints=False`` leaves
-    every checkpoint in place (``spec.checkpoint`` still recorded as written): the caller owns retention.
-    """
-    ctx = RunContext(spec, Path(resume) if resume is not None else None, reporters, stop, control, rotate_checkpoints)
-    error: BaseException | None = None
-    try:
-        if ctx.spec.pipeline.mode == "async":
-            from runtime.pipeline_async import AsyncMode
-
-            return AsyncMode(ctx).run()
-        from runtime.pipeline_inline import InlineMode
-
-        return InlineMode(ctx).run()
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        ctx.close_trainer()
-        ctx.close_control(error)
-        ctx.reporters.close()
 
 
 def pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ Every published weight set gets a version, strictly increasing over the run.
   on its behalf (:meth:`WeightService.reader_gone`, :meth:`~WeightService.reader_died`)
   instead of blocking the trainer and the other readers for ever.
 * Disaggregated across hosts (:attr:`WeightService.on_publish`): each version is handed to the
-  remote rollout links (:mod:`runtime.rollout_link`), which push it to their instances newest-wins.
+  remote rollout links (:mod:`runtime.rollout.link`), which push it to their instances newest-wins.
 * Rollback: the last ``keep`` published versions are kept on the host;
   :meth:`WeightService.rollback` republishes an old one under a NEW, higher
   version so that versions stay monotonic and staleness arithmetic holds.

@@ -3,12 +3,12 @@
     python -m runtime evaluator SPEC.yaml [--endpoint FILE] [key.sub=value ...]   (standalone)
     python -m runtime role evaluator --spec FILE --workdir DIR                  (platform role)
 
-It reaches the trainer like a remote rollout instance (:mod:`runtime.rollout_link`: the endpoint file,
+It reaches the trainer like a remote rollout instance (:mod:`runtime.rollout.link`: the endpoint file,
 the shared key, a hello — ``{"role": "evaluator", ...}`` instead of a rank) and reconnects to a
-restarted trainer the same way (:func:`runtime.rollout_remote.serve_trainers`).
+restarted trainer the same way (:func:`runtime.rollout.remote.serve_trainers`).
 
 The trainer's side, :class:`RemoteEvaluator`, is a drop-in for the in-process
-:class:`~runtime.evaluator.BackgroundEvaluator`: ``submit(step, version, weights)`` hands it the
+:class:`~runtime.evaluation.evaluator.BackgroundEvaluator`: ``submit(step, version, weights)`` hands it the
 weights of a step to evaluate, ``results()`` collects (step, metrics). One evaluation runs at a time
 and one waits; a newer request replaces a waiting older one, so evaluation may fall behind but never
 holds training up. A request the evaluator had not answered when it went away is sent again to the
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from runtime.contract import EVALUATOR_ROLE
-from runtime.rollout_link import RemotePeer, WeightBlobs, decode_weights, shutdown_socket, spec_digest
+from runtime.rollout.link import RemotePeer, WeightBlobs, decode_weights, shutdown_socket, spec_digest
 
 Request = tuple[int, int, int, dict[str, torch.Tensor]]  # (request id, step, version, weights)
 
@@ -151,8 +151,8 @@ class RemoteEvaluator:
 
 
 def require_remote(spec: Any) -> None:
-    """Bad input (:class:`~runtime.rollout_remote.RolloutRefused`) unless the run has a remote evaluator."""
-    from runtime.rollout_remote import RolloutRefused
+    """Bad input (:class:`~runtime.rollout.remote.RolloutRefused`) unless the run has a remote evaluator."""
+    from runtime.rollout.remote import RolloutRefused
 
     if not spec.resources.remote_evaluator:
         raise RolloutRefused("resources.remote_evaluator: false; this run evaluates inside its trainer")
@@ -164,7 +164,7 @@ class EvaluatorProcess:
     def __init__(self, spec: Any, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
         from runtime.models import build_policy
-        from runtime.roles import build_engine, build_task
+        from runtime.workloads.llm import build_engine, build_task
 
         r = spec.resources
         self.spec, self.log = spec, log
@@ -185,7 +185,7 @@ class EvaluatorProcess:
 
     def serve(self, endpoint_path: Path, key: bytes | None, status: Callable[[str], None] = lambda s: None) -> int:
         """Serve trainers until the run ends (0) or none is found for ``rollout_reconnect_s`` (3)."""
-        from runtime.rollout_remote import serve_trainers
+        from runtime.rollout.remote import serve_trainers
 
         return serve_trainers(
             self.spec, endpoint_path, key, self.hello, "the evaluator", self.session, self.log, status
@@ -193,7 +193,7 @@ class EvaluatorProcess:
 
     def session(self, conn: Any, welcome: dict[str, Any]) -> bool:
         """Evaluate for one connected trainer; True when it ended the run, False when it went away."""
-        from runtime.evaluator import evaluate
+        from runtime.evaluation.evaluator import evaluate
 
         r = self.spec.rollout
         weights: tuple[int, dict[str, torch.Tensor]] | None = None

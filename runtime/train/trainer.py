@@ -39,11 +39,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime import metrics as M
-from runtime.algos.core import aggregate_loss, entropy_from_logits, gae, grpo_advantages, importance_weights, whiten
-from runtime.algos.core import value_loss as value_loss_fn
-from runtime.algos.registry import PolicyBatch, UpdateContext, adamw_update, get_algorithm
 from runtime.models.logprobs import logprobs_from_logits, positions_from_mask, token_logprobs
 from runtime.samples import Sample
+from runtime.train.algos.core import (
+    aggregate_loss,
+    entropy_from_logits,
+    gae,
+    grpo_advantages,
+    importance_weights,
+    whiten,
+)
+from runtime.train.algos.core import value_loss as value_loss_fn
+from runtime.train.algos.interface import PolicyBatch, UpdateContext, adamw_update
+from runtime.train.algos.registry import get_algorithm
 
 
 class TrainerError(ValueError):

@@ -203,8 +203,8 @@ class Models:
 
 def build_models(spec: RunSpec, device: torch.device) -> Models:
     """The trainer's models: policy + tokenizer, a frozen reference when the KL penalty needs it, a critic for PPO."""
-    from runtime.algos import get_algorithm
     from runtime.models import ValueModel, build_policy
+    from runtime.train.algos import get_algorithm
 
     policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
     ref = None
@@ -248,29 +248,8 @@ def from_bytes(blob: bytes) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=False)
 
 
-def trainer_devices_here(spec: RunSpec) -> int:
-    """Trainer ranks on this host: all of them, or those ``TANDEM_LOCAL_RANKS`` names (the others run on
-    other hosts, runtime.trainer_group); this host's rollout and evaluator devices come after them."""
-    from runtime.trainer_group import local_ranks
-
-    return len(local_ranks(spec.resources.trainer_devices))
-
-
-def rollout_device_index(spec: RunSpec, rank: int) -> int:
-    """Rollout devices follow this host's trainer devices; 0 when they share (CPU)."""
-    r = spec.resources
-    return trainer_devices_here(spec) + rank % r.rollout_devices if r.rollout_devices else 0
-
-
-def eval_device_index(spec: RunSpec) -> int | None:
-    """The evaluator's own device (after this host's trainer and rollout devices), or None when it has
-    none (``eval_devices: 0``) and shares the trainer's."""
-    r = spec.resources
-    return trainer_devices_here(spec) + r.rollout_devices if r.eval_devices else None
-
-
 STOP, EPOCH = 0, 1  # indices into the shared flags of the rollout processes (a lock-free RawArray)
-# the rollout process itself: runtime.rollout_instance
+# the rollout process itself: runtime.rollout.instance
 
 
 class ConsistencyProbe:

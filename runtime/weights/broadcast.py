@@ -1,6 +1,6 @@
 """Weights to a remote rollout instance by torch.distributed broadcast, in a process group of its own.
 
-With ``pipeline.remote_weight_sync: broadcast`` the link (:mod:`runtime.rollout_link`) carries only the
+With ``pipeline.remote_weight_sync: broadcast`` the link (:mod:`runtime.rollout.link`) carries only the
 announcement of a version; its tensors go by ``broadcast`` in a two-member process group made for that
 connection — the trainer is rank 0, the instance rank 1 — on the run's backend: gloo on CPU, NCCL on
 CUDA and HCCL on Ascend, where the tensors move device to device without the host in between.

@@ -6,7 +6,7 @@ trainer re-acknowledges instead of acting again), hands them to the pipeline
 as :class:`runtime.control.Directive` s through :class:`RoleControl`, and
 queues each result on the :class:`Acknowledger`, which posts it to
 ``/api/ingest/command_result`` from its own thread, retrying with back-off.
-Used by ``runtime.role``.
+Used by ``runtime.managed.entry``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from runtime.contract import COMMAND_RESULT_PATH, RUNTIME_COMMANDS, end_of_last_line
 from runtime.control import Control, Directive
-from runtime.reporting_http import JsonPoster, PostError
+from runtime.managed.reporter import JsonPoster, PostError
 
 # The platform acts on what was reported when these are acknowledged (rewinds after the checkpoint's
 # step; completes or requeues the run with its final checkpoint): flush the reporter first.

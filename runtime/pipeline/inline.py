@@ -3,7 +3,7 @@
 ``sync`` copies the new weights into a separate engine model after every step;
 ``colocated`` generates with the trainer's own parameters (zero copy),
 optionally with the optimizer state offloaded while generating. The loop's
-step boundary, checkpoints and directives are the shared ``runtime.pipeline.RunContext``'s.
+step boundary, checkpoints and directives are the shared ``runtime.pipeline.driver.RunContext``'s.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from runtime import metrics as M
-from runtime.pipeline import PipelineError, RunContext, pack_queue
-from runtime.queue import SampleQueue
-from runtime.roles import (
+from runtime.pipeline.driver import PipelineError, RunContext, pack_queue
+from runtime.sample_queue import SampleQueue
+from runtime.workloads.llm import (
     RolloutWorker,
     build_engine,
 )

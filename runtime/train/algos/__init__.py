@@ -1,6 +1,6 @@
 """RL algorithms: pure math (:mod:`.core`), GRPO, PPO, and the registry / plug-in point."""
 
-from runtime.algos.core import (
+from runtime.train.algos.core import (
     aggregate_loss,
     clipped_surrogate,
     gae,
@@ -9,16 +9,8 @@ from runtime.algos.core import (
     kl_k3,
     value_loss,
 )
-from runtime.algos.registry import (
-    Algorithm,
-    AlgorithmError,
-    PolicyBatch,
-    UpdateContext,
-    adamw_update,
-    get_algorithm,
-    register_algorithm,
-    registered_algorithms,
-)
+from runtime.train.algos.interface import Algorithm, AlgorithmError, PolicyBatch, UpdateContext, adamw_update
+from runtime.train.algos.registry import get_algorithm, register_algorithm, registered_algorithms
 
 __all__ = [
     "Algorithm",

@@ -9,7 +9,7 @@ sequences in flight continue under them; each token records the version that pro
 
 A group is complete when its ``group_size`` sequences are; it is then scored — by the task's
 verifier at once, or by the remote reward service on a thread pool so generation never waits for
-it — and handed to an :class:`~runtime.transfer.Aggregator`, which sends finished groups back
+it — and handed to an :class:`~runtime.rollout.transfer.Aggregator`, which sends finished groups back
 packed (flat tensors + lengths) in one message per ``transfer_max_bytes`` or ``transfer_window_s``.
 A group that loses a reward (the service timed out, failed or its breaker is open, after retries)
 is dropped whole — a GRPO group is normalised over all its samples — and reported as dropped.
@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
-from runtime.roles import (
+from runtime.placement import rollout_device_index
+from runtime.samples import Sample
+from runtime.workloads.llm import (
     EPOCH,
     STOP,
     WorkItem,
@@ -50,10 +52,8 @@ from runtime.roles import (
     build_task,
     make_samples,
     reward_scores,
-    rollout_device_index,
     to_bytes,
 )
-from runtime.samples import Sample
 
 BEAT_S = 1.0  # heartbeat period
 
@@ -91,7 +91,7 @@ class RolloutInstance:
         shm: bool = True,
     ):
         from runtime.rollout import sampling_params
-        from runtime.transfer import Aggregator, sample_nbytes
+        from runtime.rollout.transfer import Aggregator, sample_nbytes
 
         self.rank, self.spec, self.engine, self.tokenizer, self.task = rank, spec, engine, tokenizer, task
         self.sub, self.conn, self.flags = sub, conn, flags
@@ -115,7 +115,7 @@ class RolloutInstance:
         )
         self.courier = None
         if p.transfer_shm_min_bytes is not None and shm:  # shm: the trainer is on this host
-            from runtime.transfer import ShmCourier
+            from runtime.rollout.transfer import ShmCourier
 
             self.courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), p.transfer_shm_min_bytes)
         self.busy_s = 0.0
@@ -218,7 +218,7 @@ class RolloutInstance:
 
     # ---- output ----
     def send(self) -> None:
-        from runtime.queue import pack_samples
+        from runtime.sample_queue import pack_samples
 
         entries = self.out.flush()
         kept = [s for g, samples in entries if samples is not None for s in samples]
@@ -306,7 +306,7 @@ def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, conn: 
     from runtime.devices import resolve_device, set_threads
     from runtime.models import build_policy
     from runtime.spec import validate_spec
-    from runtime.weights import WeightSubscriber
+    from runtime.weights.service import WeightSubscriber
 
     trainer_pid = os.getppid()
 

@@ -1,7 +1,7 @@
 """GRPO: Group Relative Policy Optimization (Shao et al. 2024, *DeepSeekMath*, arXiv:2402.03300).
 
 Each prompt is sampled ``group_size`` times; a response's advantage is its
-reward normalised within its group (:func:`runtime.algos.core.grpo_advantages`),
+reward normalised within its group (:func:`runtime.train.algos.core.grpo_advantages`),
 broadcast to every response token. The policy loss is PPO's clipped surrogate
 (Schulman et al. 2017) with an optional k3 KL penalty to a frozen reference
 (Schulman's KL note) and an optional entropy bonus.
@@ -10,15 +10,15 @@ Deviations from the paper: the KL term is added to the per-token loss and
 reduced with the configured ``loss_agg`` (the paper uses the per-sequence token
 mean, our ``seq-mean-token-mean``; the default here is ``token-mean``, as in
 DAPO, which does not down-weight long responses); stale samples get the
-off-policy correction described in :mod:`runtime.algos.core`.
+off-policy correction described in :mod:`runtime.train.algos.core`.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from runtime.algos.core import clipped_surrogate, kl_k3
-from runtime.algos.registry import Algorithm, PolicyBatch, adamw_update, register_algorithm
+from runtime.train.algos.core import clipped_surrogate, kl_k3
+from runtime.train.algos.interface import Algorithm, PolicyBatch, adamw_update
 
 
 def policy_loss(batch: PolicyBatch, config) -> tuple[Tensor, dict[str, Tensor]]:
@@ -58,6 +58,3 @@ def policy_loss(batch: PolicyBatch, config) -> tuple[Tensor, dict[str, Tensor]]:
 
 def make_grpo() -> Algorithm:
     return Algorithm(name="grpo", loss_fn=policy_loss, update_fn=adamw_update, advantages="group")
-
-
-register_algorithm("grpo", make_grpo)

@@ -5,7 +5,7 @@ receiver per group; with short responses that overhead rivals the generation. An
 collects finished groups and says when to flush: when the packed size reaches ``max_bytes``, or
 when the oldest group has waited ``window_s`` — whichever comes first — so large volumes travel in
 few messages and a lone group is never held longer than the window. The message itself is the
-packed (padding-free) format of :func:`runtime.queue.pack_samples`: flat tensors plus lengths.
+packed (padding-free) format of :func:`runtime.sample_queue.pack_samples`: flat tensors plus lengths.
 
 Workload-agnostic: it counts bytes with a caller-supplied function and carries opaque entries.
 """
@@ -66,7 +66,7 @@ class Aggregator(Generic[T]):
 
 
 def sample_nbytes(samples: list[Any]) -> int:
-    """Bytes a list of ``Sample``s takes packed (:func:`runtime.queue.pack_samples`): int64 token ids,
+    """Bytes a list of ``Sample``s takes packed (:func:`runtime.sample_queue.pack_samples`): int64 token ids,
     float64 log-probabilities, int64 versions, and the per-sample columns. An estimate good to a few
     bytes per sample (the ``extra`` JSON strings are not counted)."""
     per_sample = 8 * 5 + 8 + 1 + 1  # ids, prompt id, group id, two lengths; reward; correct; finish

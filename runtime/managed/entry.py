@@ -7,7 +7,7 @@ in the workdir and to the platform's ingest API (``HttpReporter``). Around it
 this module runs
 
 * a heartbeat thread: status and ``Control.status()`` to ``/api/ingest/heartbeat``;
-* the command desk (``runtime.command_desk``): commands riding on any ingest
+* the command desk (``runtime.managed.command_desk``): commands riding on any ingest
   reply become :class:`runtime.control.Directive` s, each command id acted on
   once (persisted in ``<workdir>/commands.jsonl``), and their results are
   acknowledged to ``/api/ingest/command_result`` from a thread of their own;
@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl, RoleInputError
-from runtime.command_desk import role_log as _log
 from runtime.contract import (
     COMMANDS_FILE,
     ENDPOINT_FILE,
@@ -54,7 +52,9 @@ from runtime.contract import (
     spool_dir,
 )
 from runtime.control import Directive
-from runtime.reporting_http import HttpReporter, JsonPoster, PostError
+from runtime.managed.command_desk import Acknowledger, CommandDesk, CommandLog, RoleControl, RoleInputError
+from runtime.managed.command_desk import role_log as _log
+from runtime.managed.reporter import HttpReporter, JsonPoster, PostError
 from runtime.spec import RunSpec, check_http_url, parse_spec_text, validate_spec
 
 DEFAULT_HEARTBEAT_S = 5.0
@@ -167,7 +167,7 @@ def load_role_spec(path: Path, workdir: Path) -> RunSpec:
 def find_resume(workdir: Path) -> Path | None:
     """The newest checkpoint under ``<workdir>/checkpoints`` that verifies (an older one if it is damaged)."""
     from runtime.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
-    from runtime.pipeline import CHECKPOINT_DIR
+    from runtime.pipeline.driver import CHECKPOINT_DIR
 
     for info in reversed(CheckpointManager(workdir / CHECKPOINT_DIR).list()):
         try:
@@ -484,10 +484,10 @@ def rollout_index(role: str) -> int:
 
 
 def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
-    """One attempt of a remote rollout instance (runtime.rollout_remote) under the platform: it finds the
+    """One attempt of a remote rollout instance (runtime.rollout.remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RemoteInstance, RolloutRefused
+    from runtime.rollout.link import env_key
+    from runtime.rollout.remote import RemoteInstance, RolloutRefused
 
     index = rollout_index(env.role)
 
@@ -502,11 +502,11 @@ def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
 
 
 def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
-    """One attempt of the remote evaluator (runtime.evaluator_remote) under the platform: it finds the
+    """One attempt of the remote evaluator (runtime.evaluation.remote) under the platform: it finds the
     trainer through ``<workdir>/rollout-endpoint.json``. Returns the exit status."""
-    from runtime.evaluator_remote import EvaluatorProcess, require_remote
-    from runtime.rollout_link import env_key
-    from runtime.rollout_remote import RolloutRefused
+    from runtime.evaluation.remote import EvaluatorProcess, require_remote
+    from runtime.rollout.link import env_key
+    from runtime.rollout.remote import RolloutRefused
 
     try:
         require_remote(spec)  # before any heartbeat: bad input is one line
@@ -524,7 +524,7 @@ def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
 
 def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
     """The ranks a further trainer role runs, from ``TANDEM_RANKS`` (``first-last``, rank 0 excluded)."""
-    from runtime.trainer_group import TrainerGroupError, parse_ranks
+    from runtime.placement import TrainerGroupError, parse_ranks
 
     text = environ.get(ENV_RANKS, "").strip()
     if not text:
@@ -542,10 +542,11 @@ def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
 
 
 def run_trainer_ranks(spec: RunSpec, env: RoleEnv, ranks: range) -> int:
-    """One attempt of trainer ranks on a further host (runtime.trainer_group.serve_ranks): they meet
+    """One attempt of trainer ranks on a further host (runtime.train.group.serve_ranks): they meet
     trainer-0 at ``MASTER_ADDR`` / ``MASTER_PORT`` and follow it until it stops them (exit 0) or fails."""
-    from runtime.pipeline import thread_plan
-    from runtime.trainer_group import TrainerGroupError, serve_ranks
+    from runtime.pipeline.driver import thread_plan
+    from runtime.placement import TrainerGroupError
+    from runtime.train.group import serve_ranks
 
     def work(changed: Callable[[str], None]) -> int:
         changed("running")

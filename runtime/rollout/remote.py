@@ -4,8 +4,8 @@
     python -m runtime role rollout --spec FILE --workdir DIR                            (platform role)
 
 It builds its engine once, then serves the trainer one connection (a *session*) at a time: find the
-trainer in the endpoint file, connect and authenticate (:mod:`runtime.rollout_link`), and run the
-same :class:`~runtime.rollout_instance.RolloutInstance` loop as a local instance on the work, weights
+trainer in the endpoint file, connect and authenticate (:mod:`runtime.rollout.link`), and run the
+same :class:`~runtime.rollout.instance.RolloutInstance` loop as a local instance on the work, weights
 and flags that arrive over the connection. When the trainer goes away without ending the run — it
 failed and restarts from its last checkpoint — the instance looks for it again, for up to
 ``pipeline.rollout_reconnect_s``; the trainer re-issues whatever this instance had not returned.
@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from runtime.contract import ENDPOINT_FILE, ENV_ROLLOUT_KEY, EXIT_NO_TRAINER
-from runtime.roles import EPOCH, STOP
-from runtime.rollout_link import (
+from runtime.rollout.link import (
     Endpoint,
     LinkError,
     Refused,
@@ -40,6 +39,7 @@ from runtime.rollout_link import (
     shutdown_socket,
     spec_digest,
 )
+from runtime.workloads.llm import EPOCH, STOP
 
 RETRY_S = 1.0  # between looks at the endpoint file while there is no trainer to talk to
 
@@ -49,7 +49,7 @@ class RolloutRefused(ValueError):
 
 
 class NetSubscriber:
-    """Weights pushed over the link, seen like :class:`~runtime.weights.WeightSubscriber` sees the
+    """Weights pushed over the link, seen like :class:`~runtime.weights.service.WeightSubscriber` sees the
     shared buffer: ``latest_version``, ``wait_for`` and ``switch`` at an engine-step boundary."""
 
     def __init__(self) -> None:
@@ -89,7 +89,7 @@ class RemoteInstance:
     def __init__(self, spec: Any, index: int, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
         from runtime.models import build_policy
-        from runtime.roles import build_engine, build_task
+        from runtime.workloads.llm import build_engine, build_task
 
         r = spec.resources
         if not 0 <= index < r.remote_rollout_workers:
@@ -118,7 +118,7 @@ class RemoteInstance:
 
     def session(self, conn: Any, welcome: dict[str, Any]) -> bool:
         """Generate for one connected trainer; True when it ended the run, False when it went away."""
-        from runtime.rollout_instance import RolloutInstance
+        from runtime.rollout.instance import RolloutInstance
 
         self.sessions += 1
         work_q: std_queue.Queue = std_queue.Queue()
@@ -184,7 +184,7 @@ def _broadcast_receiver_for(spec: Any, device: torch.device, info: dict[str, Any
     if not info:
         return None
     from runtime.devices import dist_backend
-    from runtime.weight_broadcast import BroadcastReceiver
+    from runtime.weights.broadcast import BroadcastReceiver
 
     backend = dist_backend(spec.resources.device)
     return BroadcastReceiver(str(info["address"]), info, backend, device, spec.rollout.hang_timeout_s)

@@ -3,7 +3,7 @@
 With ``resources.trainer_devices = N > 1`` the run starts N-1 follower processes (spawned, one device
 each: trainer rank r uses device index r) that join a torch.distributed process group with the
 leader (gloo on CPU, NCCL on CUDA, HCCL on Ascend). Everything the pipeline does with its trainer
-goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~runtime.trainer.Trainer`:
+goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~runtime.train.trainer.Trainer`:
 
 - ``train_step(samples, step)`` — *hierarchical transfer*: only the leader takes the step's batch
   from the sample queue (so the queue's load does not grow with the number of ranks); it cuts the
@@ -39,40 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.contract import ENV_LOCAL_RANKS
+from runtime.placement import TrainerGroupError, local_ranks
 from runtime.samples import Sample
-
-
-class TrainerGroupError(RuntimeError):
-    """A trainer rank failed or cannot be reached."""
-
-
-def parse_ranks(text: str, world: int, what: str) -> range:
-    """``first-last`` (or one rank) -> range, within ``[0, world)``; a clear error naming ``what`` otherwise."""
-    first, sep, last = text.strip().partition("-")
-    try:
-        ranks = range(int(first), int(last if sep else first) + 1)
-    except ValueError:
-        raise TrainerGroupError(f"{what}: expected first-last, e.g. 0-3, got {text!r}") from None
-    if not ranks or ranks.start < 0 or ranks.stop > world:
-        raise TrainerGroupError(f"{what}: {text!r} is not within the run's ranks 0-{world - 1}")
-    return ranks
-
-
-def local_ranks(world: int, environ: Any = os.environ) -> range:
-    """The ranks the leader's host runs (``TANDEM_LOCAL_RANKS``; default all). They include rank 0, and
-    ranks beyond them need a rendezvous every host reaches (``MASTER_ADDR`` / ``MASTER_PORT``)."""
-    text = environ.get(ENV_LOCAL_RANKS, "").strip()
-    if not text:
-        return range(world)
-    ranks = parse_ranks(text, world, ENV_LOCAL_RANKS)
-    if ranks.start != 0:
-        raise TrainerGroupError(f"{ENV_LOCAL_RANKS}: {text!r} must include rank 0, the leader")
-    if len(ranks) < world and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
-        raise TrainerGroupError(
-            f"{ENV_LOCAL_RANKS}={text}: ranks on other hosts need MASTER_ADDR and MASTER_PORT (the rendezvous)"
-        )
-    return ranks
 
 
 def rendezvous() -> str:
@@ -257,9 +225,9 @@ def serve_ranks(spec: Any, ranks: range, threads: int) -> int:
 def follower_process(rank: int, world: int, init: str, spec_data: dict, threads: int, device_index: int) -> None:
     """Entry point of trainer rank ``rank`` > 0: build the models, then follow the leader's commands."""
     from runtime.devices import dist_backend, manual_seed_all, resolve_device, set_threads
-    from runtime.roles import build_models
     from runtime.spec import validate_spec
-    from runtime.trainer import Trainer
+    from runtime.train.trainer import Trainer
+    from runtime.workloads.llm import build_models
 
     try:
         set_threads(threads)

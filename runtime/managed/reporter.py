@@ -29,7 +29,7 @@ record after it, retried for ever.
 Any 2xx acknowledges the whole batch; the reply's JSON body (pending commands)
 is passed to ``on_reply``. Anything else keeps the batch in the spool.
 :class:`JsonPoster` is the one POST of a JSON body with the run token, shared
-with the role's heartbeats and command acknowledgements (``runtime.role``).
+with the role's heartbeats and command acknowledgements (``runtime.managed.entry``).
 Standard library only, besides the contract.
 """
 

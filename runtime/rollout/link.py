@@ -1,15 +1,15 @@
 """The network link between the trainer and remote rollout instances (async mode, other hosts),
-also used by a remote evaluator (:mod:`runtime.evaluator_remote`).
+also used by a remote evaluator (:mod:`runtime.evaluation.remote`).
 
 A remote instance is a process of its own — under the platform a ``rollout-<i>`` role on another
-host (:mod:`runtime.rollout_remote`) — that runs the same :class:`~runtime.rollout_instance.RolloutInstance`
+host (:mod:`runtime.rollout.remote`) — that runs the same :class:`~runtime.rollout.instance.RolloutInstance`
 loop as a local one. What a local instance gets from its parent (a work queue, a result pipe, the
 shared-memory weight buffer, the shared STOP/EPOCH flags) travels over one TCP connection instead:
 
     trainer -> instance: ("welcome", info) or ("refused", reason), then ("weights", (version, blob))
                          or, with pipeline.remote_weight_sync broadcast, ("weights_bcast", (version,
                          manifest)) followed by the tensors on a process group of its own
-                         (runtime.weight_broadcast), ("work", (epoch, entries)), ("epoch", n), ("stop", None)
+                         (runtime.weights.broadcast), ("work", (epoch, entries)), ("epoch", n), ("stop", None)
     instance -> trainer: ("hello", {rank, pid, host, digest}), then the local protocol
                          ("ready", "beat", "samples", "error", "exit"; samples always inline)
 
@@ -267,7 +267,7 @@ class RemotePeer:
 
     def __init__(self, conn: Connection, rank: int, pid: int, host: str, broadcast: Any = None):
         self.conn, self.rank, self.pid, self.host = conn, rank, pid, host
-        self.broadcast = broadcast  # a runtime.weight_broadcast.BroadcastSender: weights go by broadcast
+        self.broadcast = broadcast  # a runtime.weights.broadcast.BroadcastSender: weights go by broadcast
         self._cond = threading.Condition()
         self._outbox: deque[tuple[str, Any]] = deque()
         self._weights: tuple[int, Callable[[], bytes], dict[str, torch.Tensor] | None] | None = None
@@ -334,7 +334,7 @@ class RemotePeer:
         if self.broadcast is None or state is None:
             self.conn.send(("weights", (version, blob())))
             return
-        from runtime.weight_broadcast import manifest_of
+        from runtime.weights.broadcast import manifest_of
 
         self.conn.send(("weights_bcast", (version, manifest_of(state))))
         self.broadcast.send(state)

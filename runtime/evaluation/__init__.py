@@ -1,0 +1,1 @@
+"""Evaluation: the in-process background evaluator and the remote evaluator role."""

@@ -1,0 +1,1 @@
+"""Training: the trainer, the trainer group across ranks, the RL algorithms and SFT."""

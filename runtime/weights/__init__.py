@@ -1,0 +1,1 @@
+"""Weights: the trainer's versioned publication of policy weights and their broadcast to rollout processes."""
