@@ -61,17 +61,17 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
     "pipeline.rollout_listen": (
         ("async",),
         "read only with remote rollout instances or a remote evaluator "
-        "(test_rollout_remote.py::test_a_remote_instance_works_beside_a_local_one_and_a_mismatched_one_is_refused)",
+        "(rollout/test_remote.py::test_a_remote_instance_works_beside_a_local_one_and_a_mismatched_one_is_refused)",
     ),
     "pipeline.remote_weight_sync": (
         ("async",),
         "read only with remote rollout instances "
-        "(test_rollout_remote.py::test_remote_instances_get_their_weights_by_broadcast_when_asked)",
+        "(rollout/test_remote.py::test_remote_instances_get_their_weights_by_broadcast_when_asked)",
     ),
     "pipeline.rollout_reconnect_s": (
         ("async",),
         "read by a remote rollout instance or evaluator waiting for its trainer "
-        "(test_rollout_remote.py::test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart)",
+        "(rollout/test_remote.py::test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart)",
     ),
     # Not acting, not yet refused: sync and colocated train on samples of the current weights, so the bound
     # holds by itself. Refusing it there needs jobs.commands.effective_params to skip a live parameter the

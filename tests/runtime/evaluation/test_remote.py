@@ -23,7 +23,7 @@ from runtime.pipeline import run
 from runtime.spec import SpecError, load_spec, validate_spec
 from tests.runtime.helpers import derived, tiny_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BASE = derived(
     seed=5,
     pipeline={

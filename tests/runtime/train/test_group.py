@@ -139,7 +139,7 @@ def test_ranks_in_a_process_of_their_own_train_like_ranks_the_leader_started(tmp
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     for key, value in {**env, "TANDEM_LOCAL_RANKS": "0"}.items():
         monkeypatch.setenv(key, value)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     other_host = subprocess.Popen(
         [sys.executable, "-m", "runtime", "trainer-ranks", str(spec_file), "--ranks", "1-1"],
         cwd=root,

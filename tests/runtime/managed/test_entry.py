@@ -12,7 +12,7 @@ from runtime.__main__ import main
 from runtime.contract import TRAINER_ROLE
 from runtime.managed.entry import DEFAULT_HEARTBEAT_S, RoleInputError, read_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOOD_ENV = {
     "TANDEM_PLATFORM_URL": "http://127.0.0.1:9",
     "TANDEM_RUN_TOKEN": "tdr_abc_secret",

@@ -43,7 +43,7 @@ from runtime.rollout.remote import NetSubscriber
 from runtime.spec import SpecError, load_spec
 from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BASE = derived(
     seed=7,
     pipeline={
