@@ -40,7 +40,7 @@ from django.db import connection, transaction
 
 from jobs.models import Run, RunStreamEntry, StreamType
 from jobs.states import TERMINAL_STATES, RunState
-from runtime import metrics as M
+from runtime import contract as M
 
 __all__ = [
     "append",

@@ -42,7 +42,7 @@ from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import permissions as perms
 from rlplatform.api import annotate_group_usage
 from rlplatform.models import Host, Quota, Role
-from runtime import metrics as m
+from runtime import contract as m
 
 PAGE_SIZE = 50
 # Devices with an unreleased allocation. The pk test matters: through the LEFT JOIN, a device

@@ -1,7 +1,7 @@
 """Metric names, reporters, the step timer and train-inference consistency.
 
 Every key a runtime component reports is one of :data:`METRICS` (a name and
-its one-line meaning); use the constants, not string literals. Reporters
+its one-line meaning, defined in :mod:`runtime.contract`); use the constants, not string literals. Reporters
 implement :class:`Reporter`: a terminal progress line, a JSONL file,
 TensorBoard (when installed), and the platform's HTTP reporter
 (``runtime.managed.reporter``). This module needs only the standard library.
@@ -21,87 +21,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-from runtime.contract import end_of_last_line
-
-# --------------------------------------------------------------------------- names
-
-REWARD_MEAN = "reward/mean"
-REWARD_STD = "reward/std"
-ACCURACY = "accuracy"
-EVAL_ACCURACY = "eval/accuracy"
-LOSS_POLICY = "loss/policy"
-LOSS_VALUE = "loss/value"
-LOSS_KL = "loss/kl"
-ENTROPY = "entropy"
-KL_REF = "kl_ref"
-CLIP_FRACTION = "clip_fraction"
-GRAD_NORM = "grad_norm"
-LR = "lr"
-RESPONSE_LEN_MEAN = "response_len/mean"
-RESPONSE_LEN_MAX = "response_len/max"
-STALENESS_MEAN = "staleness/mean"
-STALENESS_MAX = "staleness/max"
-QUEUE_DEPTH = "queue/depth"
-QUEUE_WATERMARK = "queue/watermark"
-SAMPLES_DROPPED_STALE = "samples/dropped_stale"
-GEN_TOKENS_PER_S = "throughput/gen_tokens_per_s"
-TRAIN_TOKENS_PER_S = "throughput/train_tokens_per_s"
-SAMPLES_PER_S = "throughput/samples_per_s"
-TIME_GENERATE = "time/generate"
-TIME_TRAIN = "time/train"
-TIME_WEIGHT_SYNC = "time/weight_sync"
-TIME_WAIT = "time/wait"
-BUBBLE_TRAINER = "bubble/trainer"
-PADDING_RATIO = "train/padding_ratio"
-CONSISTENCY_DIFF_MEAN = "consistency/logprob_diff_mean"
-CONSISTENCY_DIFF_MAX = "consistency/logprob_diff_max"
-CONSISTENCY_KL = "consistency/kl"
-WEIGHTS_VERSION = "weights/version"
-ROLLOUT_PADDING = "rollout/padding_ratio"
-ROLLOUT_SKEWNESS = "rollout/skewness"
-ROLLOUT_SORTING_WAIT = "rollout/sorting_wait"
-ROLLOUT_ACTIVE = "rollout/active_instances"
-SAMPLES_DROPPED_REWARD = "samples/dropped_reward"
-
-METRICS: dict[str, str] = {
-    REWARD_MEAN: "Mean reward of the samples trained on in this step.",
-    REWARD_STD: "Standard deviation of those rewards.",
-    ACCURACY: "Fraction of this step's samples the task's verifier judged correct.",
-    EVAL_ACCURACY: "Greedy accuracy on the held-out prompts (reported on evaluation steps only).",
-    LOSS_POLICY: "Clipped-surrogate policy loss (after loss aggregation).",
-    LOSS_VALUE: "Critic (value-function) loss; PPO only.",
-    LOSS_KL: "KL penalty term added to the loss: kl_coef x the k3 estimate against the reference.",
-    ENTROPY: "Mean per-token entropy of the policy on this step's responses (nats).",
-    KL_REF: "Mean per-token k3 estimate of KL(policy || reference) (nats).",
-    CLIP_FRACTION: "Fraction of response tokens whose probability ratio hit the clip range.",
-    GRAD_NORM: "Global gradient norm before clipping.",
-    LR: "Policy learning rate used by this step's optimizer update.",
-    RESPONSE_LEN_MEAN: "Mean response length of this step's samples (tokens).",
-    RESPONSE_LEN_MAX: "Longest response of this step's samples (tokens).",
-    STALENESS_MEAN: "Mean over this step's samples of (trainer weight version - sample version).",
-    STALENESS_MAX: "Largest such lag in this step; never above pipeline.max_policy_lag.",
-    QUEUE_DEPTH: "Samples waiting in the sample queue when the trainer took its batch.",
-    QUEUE_WATERMARK: "High-water mark: most samples the queue held since the previous step.",
-    SAMPLES_DROPPED_STALE: "Samples discarded for exceeding max_policy_lag, cumulative over the run.",
-    GEN_TOKENS_PER_S: "Response tokens generated per second of generation time.",
-    TRAIN_TOKENS_PER_S: "Tokens (prompt + response) trained on per second of training time.",
-    SAMPLES_PER_S: "Samples consumed per second of wall-clock step time.",
-    TIME_GENERATE: "Seconds spent generating in this step (by the role that reports it).",
-    TIME_TRAIN: "Seconds the trainer spent computing (forward, backward, optimizer) in this step.",
-    TIME_WEIGHT_SYNC: "Seconds spent publishing / loading new weights in this step.",
-    TIME_WAIT: "Seconds the trainer spent waiting for samples in this step.",
-    BUBBLE_TRAINER: "Trainer bubble fraction: time/wait divided by the trainer's step time (0..1).",
-    PADDING_RATIO: "Padding tokens / all tokens in the training micro-batches (wasted compute).",
-    CONSISTENCY_DIFF_MEAN: "Mean |engine logprob - trainer logprob| over the step's response tokens.",
-    CONSISTENCY_DIFF_MAX: "Largest such difference in this step.",
-    CONSISTENCY_KL: "Per-token k3 estimate of KL(engine || trainer) on the engine's sampled tokens.",
-    WEIGHTS_VERSION: "Version of the trainer's weights after this step.",
-    ROLLOUT_PADDING: "Async: 1 - real / allocated token positions the rollout engines computed this step.",
-    ROLLOUT_SKEWNESS: "Async: max / mean busy seconds of the active rollout instances this step (1 = even).",
-    ROLLOUT_SORTING_WAIT: "Async: mean seconds a ready group waited for an engine slot / mean instance busy time.",
-    ROLLOUT_ACTIVE: "Async: rollout instances taking new work (dynamic parallelism follows the queue watermark).",
-    SAMPLES_DROPPED_REWARD: "Samples dropped because the reward service gave no reward after retries, cumulative.",
-}
+from runtime.contract import (
+    ACCURACY,
+    CONSISTENCY_DIFF_MAX,
+    CONSISTENCY_DIFF_MEAN,
+    CONSISTENCY_KL,
+    EVAL_ACCURACY,
+    GEN_TOKENS_PER_S,
+    REWARD_MEAN,
+    SAMPLES_PER_S,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    end_of_last_line,
+)
 
 
 class ReporterError(Exception):

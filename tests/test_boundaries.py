@@ -57,6 +57,37 @@ def test_ci_client_imports_without_django():
     assert "torch" not in loaded
 
 
+# What the platform may import of the runtime: the spec (to validate submissions) and the contract (what
+# the halves agree on). Anything else would tie the web processes to the runtime's internals (and torch).
+PLATFORM_MAY_IMPORT = {"runtime", "runtime.spec", "runtime.contract"}
+
+
+def _runtime_modules_imported_by(path: Path) -> set[str]:
+    """Runtime modules ``path`` imports, at any depth (``from runtime import contract`` counts as
+    runtime.contract)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "runtime")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "runtime":
+                found.update(f"runtime.{a.name}" for a in node.names)
+            elif node.module.split(".")[0] == "runtime":
+                found.add(node.module)
+    return found
+
+
+def test_the_platform_imports_only_the_spec_and_the_contract_of_the_runtime():
+    offenders = {}
+    for folder in ("jobs", "rlplatform"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            bad = _runtime_modules_imported_by(path) - PLATFORM_MAY_IMPORT
+            if bad:
+                offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert offenders == {}
+
+
 def test_contract_imports_without_torch_or_django():
     # jobs imports runtime.contract (the ingest schema, retention, role names) in its web processes.
     loaded = _modules_loaded_by("import runtime.contract")

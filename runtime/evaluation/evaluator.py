@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.metrics import EVAL_ACCURACY
+from runtime.contract import EVAL_ACCURACY
 
 EVAL_REWARD = "eval/reward"
 TIME_EVAL = "time/eval"

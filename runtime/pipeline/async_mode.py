@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from runtime import metrics as M
+from runtime.contract import CONSISTENCY_KL, QUEUE_DEPTH, QUEUE_WATERMARK, ROLLOUT_ACTIVE
 from runtime.evaluation.evaluator import BackgroundEvaluator
 from runtime.evaluation.remote import RemoteEvaluator
 from runtime.pipeline.driver import PipelineError, RunContext
@@ -122,7 +123,7 @@ class AsyncMode:
         self._top_up(trainer.version + 1)  # refill at once so the rollouts keep generating while we train
         with timer.section("train"):
             trained = trainer.train_step(batch, step)
-        if M.CONSISTENCY_KL not in trained:  # no sample of the trainer's own version in this batch
+        if CONSISTENCY_KL not in trained:  # no sample of the trainer's own version in this batch
             trained.update(probe.measure(batch, ctx.weights))
         with timer.section("weight_sync"):
             ctx.weights.publish(trainer.publish_state(), version=trainer.version)
@@ -145,10 +146,10 @@ class AsyncMode:
         ctx.trace["consumed"].append(sorted({s.group_id for s in batch}))
         metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, batch, gen_tokens)
         ctx.last_metrics = metrics
-        metrics[M.QUEUE_DEPTH] = stats.depth
-        metrics[M.QUEUE_WATERMARK] = stats.high_water
+        metrics[QUEUE_DEPTH] = stats.depth
+        metrics[QUEUE_WATERMARK] = stats.high_water
         metrics.update(self.ledger.step_metrics(self.pool.active_ranks()))
-        metrics[M.ROLLOUT_ACTIVE] = self.pool.scaler.active
+        metrics[ROLLOUT_ACTIVE] = self.pool.scaler.active
         self.steps_done = step
         self.pool.scale(step, self.queue.stats().high_water / self.queue.capacity)
         self.queue.reset_watermark()

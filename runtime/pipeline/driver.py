@@ -51,7 +51,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import yaml
 
 from runtime import metrics as M
-from runtime.contract import live_param_problems
+from runtime.contract import (
+    BUBBLE_TRAINER,
+    EVAL_ACCURACY,
+    GEN_TOKENS_PER_S,
+    SAMPLES_DROPPED_STALE,
+    SAMPLES_PER_S,
+    TIME_GENERATE,
+    TIME_WAIT,
+    WEIGHTS_VERSION,
+    live_param_problems,
+)
 from runtime.control import Control, Directive
 from runtime.evaluation.evaluator import evaluate
 from runtime.samples import Sample
@@ -349,19 +359,19 @@ class RunContext:
     def record_eval(self, step: int, metrics: dict) -> None:
         self.evals.append({"step": step, **metrics})
         self.reporters.report(step, metrics)
-        self.reporters.event("eval", {"step": step, M.EVAL_ACCURACY: metrics[M.EVAL_ACCURACY]})
+        self.reporters.event("eval", {"step": step, EVAL_ACCURACY: metrics[EVAL_ACCURACY]})
 
     def step_metrics(
         self, trained: dict[str, float], split: dict[str, float], step_s: float, samples: list[Sample], gen_tokens: int
     ) -> dict[str, float]:
         out = dict(trained)
         out.update(split)
-        gen_s = split[M.TIME_GENERATE]
-        out[M.GEN_TOKENS_PER_S] = gen_tokens / gen_s if gen_s > 0 else 0.0
-        out[M.SAMPLES_PER_S] = len(samples) / step_s if step_s > 0 else 0.0
-        out[M.BUBBLE_TRAINER] = M.bubble_fraction(split[M.TIME_WAIT], step_s)
-        out[M.SAMPLES_DROPPED_STALE] = self.dropped_total
-        out[M.WEIGHTS_VERSION] = self.weights.version
+        gen_s = split[TIME_GENERATE]
+        out[GEN_TOKENS_PER_S] = gen_tokens / gen_s if gen_s > 0 else 0.0
+        out[SAMPLES_PER_S] = len(samples) / step_s if step_s > 0 else 0.0
+        out[BUBBLE_TRAINER] = M.bubble_fraction(split[TIME_WAIT], step_s)
+        out[SAMPLES_DROPPED_STALE] = self.dropped_total
+        out[WEIGHTS_VERSION] = self.weights.version
         out["time/step"] = step_s
         return out
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from runtime import metrics as M
+from runtime.contract import QUEUE_DEPTH, QUEUE_WATERMARK, SAMPLES_DROPPED_REWARD, TIME_GENERATE, TIME_WAIT
 from runtime.pipeline.driver import PipelineError, RunContext, pack_queue
 from runtime.sample_queue import SampleQueue
 from runtime.workloads.llm import (
@@ -75,14 +76,14 @@ class InlineMode:
                 self.publish()
             step += 1
             split = timer.lap()
-            split[M.TIME_WAIT] = split[M.TIME_GENERATE]  # lock-step: the trainer idles while generating
+            split[TIME_WAIT] = split[TIME_GENERATE]  # lock-step: the trainer idles while generating
             ctx.trace["consumed"].append(sorted({s.group_id for s in samples}))
             ctx.last_metrics = ctx.step_metrics(trained, split, time.perf_counter() - started, samples, gen_tokens)
-            ctx.last_metrics[M.QUEUE_DEPTH] = 0
-            ctx.last_metrics[M.QUEUE_WATERMARK] = len(samples)
+            ctx.last_metrics[QUEUE_DEPTH] = 0
+            ctx.last_metrics[QUEUE_WATERMARK] = len(samples)
             if self.worker.reward is not None:  # the run's reward-service counters so far
                 ctx.last_metrics.update(self.worker.reward.metrics())
-                ctx.last_metrics[M.SAMPLES_DROPPED_REWARD] = len(self.worker.dropped) * spec.algorithm.group_size
+                ctx.last_metrics[SAMPLES_DROPPED_REWARD] = len(self.worker.dropped) * spec.algorithm.group_size
             ctx.reporters.report(step, ctx.last_metrics)
             ctx.publish_status(step)
             nxt = ctx.boundary(step, self)

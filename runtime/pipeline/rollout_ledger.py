@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
-from runtime import metrics as M
+from runtime.contract import SAMPLES_DROPPED_REWARD
 from runtime.pipeline.driver import pack_queue, unpack_queue
 from runtime.rollout.scheduling import BubbleMeter, Dispatcher, LengthPredictor
 from runtime.rollout.transfer import ShmCourier
@@ -226,7 +226,7 @@ class RolloutLedger:
         with self.lock:
             bubbles = self.meter.report(among=active)
             out = {f"rollout/{k}": v for k, v in bubbles.items()}
-            out[M.SAMPLES_DROPPED_REWARD] = (self.reward_dropped_before + len(self.reward_dropped)) * self.group_size
+            out[SAMPLES_DROPPED_REWARD] = (self.reward_dropped_before + len(self.reward_dropped)) * self.group_size
             out.update(self.reward_counts)
             if self.circuit_open:
                 out["reward/circuit_open"] = max(self.circuit_open.values())

@@ -39,6 +39,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from runtime import metrics as M
+from runtime.contract import (
+    ACCURACY,
+    CONSISTENCY_DIFF_MAX,
+    CONSISTENCY_DIFF_MEAN,
+    CONSISTENCY_KL,
+    GRAD_NORM,
+    LOSS_POLICY,
+    LOSS_VALUE,
+    LR,
+    PADDING_RATIO,
+    RESPONSE_LEN_MAX,
+    RESPONSE_LEN_MEAN,
+    REWARD_MEAN,
+    REWARD_STD,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    TRAIN_TOKENS_PER_S,
+)
 from runtime.models.logprobs import logprobs_from_logits, positions_from_mask, token_logprobs
 from runtime.samples import Sample
 from runtime.train.algos.core import (
@@ -253,11 +271,11 @@ class Trainer:
         self.version += 1
 
         out = stats.finish(self.group, self.world)
-        out[M.LR] = out.pop("_lr", float(self.optimizer.param_groups[0]["lr"]))
+        out[LR] = out.pop("_lr", float(self.optimizer.param_groups[0]["lr"]))
         elapsed = time.perf_counter() - started
         total_tokens = out.pop("_tokens", 0.0)
         if elapsed > 0:
-            out[M.TRAIN_TOKENS_PER_S] = total_tokens / elapsed
+            out[TRAIN_TOKENS_PER_S] = total_tokens / elapsed
         return out
 
     @torch.no_grad()
@@ -475,9 +493,9 @@ class Trainer:
         got = M.consistency_metrics(engine, trainer)
         n = float(sum(len(e) for e in engine))
         stats.add_sum("cons_n", n)
-        stats.add_sum("cons_diff", got[M.CONSISTENCY_DIFF_MEAN] * n)
-        stats.add_sum("cons_kl", got[M.CONSISTENCY_KL] * n)
-        stats.add_max("cons_max", got[M.CONSISTENCY_DIFF_MAX])
+        stats.add_sum("cons_diff", got[CONSISTENCY_DIFF_MEAN] * n)
+        stats.add_sum("cons_kl", got[CONSISTENCY_KL] * n)
+        stats.add_max("cons_max", got[CONSISTENCY_DIFF_MAX])
 
     def _update(
         self,
@@ -632,28 +650,28 @@ class _Stats:
         out: dict[str, float] = dict(self.local)
         n = max(sums.get("samples", 0.0), 1.0)
         mean_r = sums.get("reward", 0.0) / n
-        out[M.REWARD_MEAN] = mean_r
-        out[M.REWARD_STD] = max(sums.get("reward_sq", 0.0) / n - mean_r**2, 0.0) ** 0.5
-        out[M.ACCURACY] = sums.get("correct", 0.0) / n
-        out[M.RESPONSE_LEN_MEAN] = sums.get("resp_tokens", 0.0) / n
-        out[M.RESPONSE_LEN_MAX] = max(maxes.get("resp_max", 0.0), 0.0)
-        out[M.STALENESS_MEAN] = sums.get("lag", 0.0) / n
-        out[M.STALENESS_MAX] = max(maxes.get("lag_max", 0.0), 0.0)
+        out[REWARD_MEAN] = mean_r
+        out[REWARD_STD] = max(sums.get("reward_sq", 0.0) / n - mean_r**2, 0.0) ** 0.5
+        out[ACCURACY] = sums.get("correct", 0.0) / n
+        out[RESPONSE_LEN_MEAN] = sums.get("resp_tokens", 0.0) / n
+        out[RESPONSE_LEN_MAX] = max(maxes.get("resp_max", 0.0), 0.0)
+        out[STALENESS_MEAN] = sums.get("lag", 0.0) / n
+        out[STALENESS_MAX] = max(maxes.get("lag_max", 0.0), 0.0)
         updates = max(sums.get("updates", 0.0), 1.0)
-        out[M.LOSS_POLICY] = sums.get("loss_policy", 0.0) / updates
-        out[M.GRAD_NORM] = sums.get("grad_norm", 0.0) / updates
+        out[LOSS_POLICY] = sums.get("loss_policy", 0.0) / updates
+        out[GRAD_NORM] = sums.get("grad_norm", 0.0) / updates
         if "loss_value" in sums:
-            out[M.LOSS_VALUE] = sums["loss_value"] / updates
+            out[LOSS_VALUE] = sums["loss_value"] / updates
         padded = sums.get("padded_tokens", 0.0)
-        out[M.PADDING_RATIO] = 0.0 if padded == 0 else 1.0 - sums.get("real_tokens", 0.0) / padded
+        out[PADDING_RATIO] = 0.0 if padded == 0 else 1.0 - sums.get("real_tokens", 0.0) / padded
         tok = max(sums.get("tok_count", 0.0), 1.0)
         for key, value in sums.items():
             if key.startswith("tok:"):
                 out[key[4:]] = value / tok
         if sums.get("cons_n", 0.0) > 0:
-            out[M.CONSISTENCY_DIFF_MEAN] = sums["cons_diff"] / sums["cons_n"]
-            out[M.CONSISTENCY_KL] = sums["cons_kl"] / sums["cons_n"]
-            out[M.CONSISTENCY_DIFF_MAX] = maxes["cons_max"]
+            out[CONSISTENCY_DIFF_MEAN] = sums["cons_diff"] / sums["cons_n"]
+            out[CONSISTENCY_KL] = sums["cons_kl"] / sums["cons_n"]
+            out[CONSISTENCY_DIFF_MAX] = maxes["cons_max"]
         out["_tokens"] = sums.get("_tokens", 0.0)
         return out
 

@@ -17,8 +17,9 @@ import torch
 import yaml
 
 from runtime.__main__ import main
+from runtime.contract import EVAL_ACCURACY
 from runtime.control import Control
-from runtime.metrics import EVAL_ACCURACY, read_jsonl
+from runtime.metrics import read_jsonl
 from runtime.pipeline import run
 from runtime.spec import SpecError, load_spec, validate_spec
 from tests.runtime.helpers import derived, tiny_spec

@@ -491,7 +491,7 @@ def test_a_broadcast_group_of_its_own_delivers_every_tensor_bit_for_bit():
 
 @pytest.mark.slow
 def test_remote_instances_get_their_weights_by_broadcast_when_asked(tmp_path):
-    from runtime import metrics as M
+    from runtime.contract import CONSISTENCY_DIFF_MAX, WEIGHTS_VERSION
 
     spec = tiny_spec(tmp_path, "bcast", BASE, resources__rollout_workers=0, pipeline__remote_weight_sync="broadcast")
     out = tmp_path / "bcast"
@@ -509,5 +509,5 @@ def test_remote_instances_get_their_weights_by_broadcast_when_asked(tmp_path):
     assert [(e["rank"], e["weight_sync"]) for e in connected] == [(0, "broadcast")]
     # every sample came from the remote instance with max_policy_lag 0: generated with exactly the weights
     # the trainer published, so its log-probabilities agree with the trainer's up to float rounding
-    assert max(r[M.CONSISTENCY_DIFF_MAX] for r in steps) < 1e-3
-    assert [r[M.WEIGHTS_VERSION] for r in steps] == list(range(1, 7))
+    assert max(r[CONSISTENCY_DIFF_MAX] for r in steps) < 1e-3
+    assert [r[WEIGHTS_VERSION] for r in steps] == list(range(1, 7))

@@ -10,7 +10,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime import metrics as M
+from runtime.contract import (
+    ACCURACY,
+    CLIP_FRACTION,
+    CONSISTENCY_DIFF_MAX,
+    CONSISTENCY_DIFF_MEAN,
+    ENTROPY,
+    GRAD_NORM,
+    KL_REF,
+    LOSS_KL,
+    LOSS_POLICY,
+    LOSS_VALUE,
+    LR,
+    METRICS,
+    PADDING_RATIO,
+    RESPONSE_LEN_MAX,
+    RESPONSE_LEN_MEAN,
+    REWARD_MEAN,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    TRAIN_TOKENS_PER_S,
+)
 from runtime.models import ValueModel, build_policy, token_logprobs
 from runtime.samples import Sample
 from runtime.spec import ModelSpec, load_spec
@@ -91,7 +111,7 @@ def test_train_step_reports_padding_ratio_of_its_micro_batches():
         s.prompt_ids, s.response_ids = s.prompt_ids[:1], list(range(4, 3 + total))
         s.logprobs, s.versions = [-1.0] * (total - 1), [0] * (total - 1)
     got = trainer.train_step(samples, step=0)
-    assert got[M.PADDING_RATIO] == pytest.approx(1 - 24 / 26, abs=1e-12)
+    assert got[PADDING_RATIO] == pytest.approx(1 - 24 / 26, abs=1e-12)
 
 
 CAPTURED: list[dict[str, torch.Tensor]] = []
@@ -151,10 +171,10 @@ def test_a_few_steps_on_a_fixed_batch_raise_logprob_of_rewarded_responses():
     good_after, bad_after = _mean_logprob(trainer, good), _mean_logprob(trainer, bad)
     assert good_after > good_before + 0.1
     assert bad_after < bad_before - 0.1
-    assert metrics[M.REWARD_MEAN] == 0.5
-    assert metrics[M.ACCURACY] == 0.5
-    assert metrics[M.GRAD_NORM] > 0
-    assert 0 < metrics[M.ENTROPY] < 5
+    assert metrics[REWARD_MEAN] == 0.5
+    assert metrics[ACCURACY] == 0.5
+    assert metrics[GRAD_NORM] > 0
+    assert 0 < metrics[ENTROPY] < 5
     assert trainer.version == 5
 
 
@@ -164,21 +184,21 @@ def test_train_step_metrics_on_policy_consistency_and_staleness():
     samples = _on_policy(trainer, _samples(2, 4))
     got = trainer.train_step(samples, step=0)
     # The engine here is the trainer's own scorer: the two agree to float rounding.
-    assert got[M.CONSISTENCY_DIFF_MAX] < 1e-4
-    assert got[M.STALENESS_MEAN] == 0.0 and got[M.STALENESS_MAX] == 0.0
-    assert got[M.CLIP_FRACTION] == 0.0  # first and only update: ratio is exactly 1
-    assert got[M.RESPONSE_LEN_MAX] == max(len(s.response_ids) for s in samples)
-    assert got[M.RESPONSE_LEN_MEAN] == pytest.approx(sum(len(s.response_ids) for s in samples) / len(samples))
-    assert got[M.LR] == pytest.approx(1e-4)
-    assert M.TRAIN_TOKENS_PER_S in got
-    assert set(got) <= set(M.METRICS)
+    assert got[CONSISTENCY_DIFF_MAX] < 1e-4
+    assert got[STALENESS_MEAN] == 0.0 and got[STALENESS_MAX] == 0.0
+    assert got[CLIP_FRACTION] == 0.0  # first and only update: ratio is exactly 1
+    assert got[RESPONSE_LEN_MAX] == max(len(s.response_ids) for s in samples)
+    assert got[RESPONSE_LEN_MEAN] == pytest.approx(sum(len(s.response_ids) for s in samples) / len(samples))
+    assert got[LR] == pytest.approx(1e-4)
+    assert TRAIN_TOKENS_PER_S in got
+    assert set(got) <= set(METRICS)
     # Two steps later, samples made by version 0 (one token by version 1) are 2 versions behind.
     trainer.train_step(_samples(2, 4, seed=1, version=1), step=1)
     stale = _samples(2, 4, seed=2, version=0)
     stale[0].versions[-1] = 1
     got = trainer.train_step(stale, step=2)
-    assert got[M.STALENESS_MAX] == 2.0 and got[M.STALENESS_MEAN] == 2.0
-    assert M.CONSISTENCY_DIFF_MEAN not in got  # no sample of the current version to compare
+    assert got[STALENESS_MAX] == 2.0 and got[STALENESS_MEAN] == 2.0
+    assert CONSISTENCY_DIFF_MEAN not in got  # no sample of the current version to compare
 
 
 def test_decoupled_correction_changes_nothing_on_policy():
@@ -198,16 +218,16 @@ def test_kl_to_reference_only_with_positive_coef_and_a_reference():
     ref = copy.deepcopy(policy)
     samples = _samples(2, 4)
     got = Trainer(_spec("algorithm.kl_coef=0.1"), policy, tok, "cpu", ref_policy=ref).train_step(samples, 0)
-    assert got[M.KL_REF] == 0.0  # first update: policy == reference, exactly
-    assert got[M.LOSS_KL] == 0.0
+    assert got[KL_REF] == 0.0  # first update: policy == reference, exactly
+    assert got[LOSS_KL] == 0.0
     policy, tok = _policy()
     got = Trainer(_spec("algorithm.kl_coef=0.0"), policy, tok, "cpu", ref_policy=ref).train_step(samples, 0)
-    assert M.KL_REF not in got and M.LOSS_KL not in got
+    assert KL_REF not in got and LOSS_KL not in got
     policy, tok = _policy()
     trainer = Trainer(_spec("algorithm.kl_coef=0.1", "trainer.lr=0.01"), policy, tok, "cpu", ref_policy=ref)
     trainer.train_step(samples, 0)
     got = trainer.train_step(samples, 1)
-    assert got[M.KL_REF] > 0  # the policy moved away from the reference
+    assert got[KL_REF] > 0  # the policy moved away from the reference
 
 
 def test_updates_per_step_follow_the_warmup_schedule():
@@ -216,9 +236,9 @@ def test_updates_per_step_follow_the_warmup_schedule():
         _spec("trainer.updates_per_step=2", "trainer.warmup_steps=4", "trainer.lr=0.001"), policy, tok, "cpu"
     )
     got = trainer.train_step(_samples(2, 4), step=0)
-    assert got[M.LR] == pytest.approx(0.001 * 2 / 4)  # the second update of the step
+    assert got[LR] == pytest.approx(0.001 * 2 / 4)  # the second update of the step
     got = trainer.train_step(_samples(2, 4, seed=1), step=1)
-    assert got[M.LR] == pytest.approx(0.001)  # update 4 of 4: warm-up complete
+    assert got[LR] == pytest.approx(0.001)  # update 4 of 4: warm-up complete
     assert trainer.scheduler.last_epoch == 4
 
 
@@ -354,7 +374,7 @@ def test_ppo_trains_policy_and_critic_and_critic_loss_falls():
     trainer = Trainer(_spec("algorithm.name=ppo", "trainer.critic_lr=0.003"), policy, tok, "cpu", critic=critic)
     policy_before, critic_before = _params(policy), _params(critic)
     samples = _samples(2, 4)
-    losses = [trainer.train_step(copy.deepcopy(samples), step)[M.LOSS_VALUE] for step in range(6)]
+    losses = [trainer.train_step(copy.deepcopy(samples), step)[LOSS_VALUE] for step in range(6)]
     assert losses[-1] < losses[0] * 0.7
     assert any(not torch.equal(policy_before[k], v) for k, v in policy.state_dict().items())
     assert any(not torch.equal(critic_before[k], v) for k, v in critic.state_dict().items())
@@ -432,7 +452,7 @@ def test_two_rank_data_parallel_equals_single_process_on_the_union(tmp_path):
         # may differ in the last bits, which Adam's normalisation can grow to ~1e-5 on near-zero gradients.
         assert (value - initial[name]).abs().max() > 1e-3, name
         torch.testing.assert_close(value, policy.state_dict()[name], rtol=0, atol=2e-5, msg=name)
-    for key in (M.REWARD_MEAN, M.RESPONSE_LEN_MEAN, M.RESPONSE_LEN_MAX, M.LOSS_POLICY, M.GRAD_NORM, M.KL_REF):
+    for key in (REWARD_MEAN, RESPONSE_LEN_MEAN, RESPONSE_LEN_MAX, LOSS_POLICY, GRAD_NORM, KL_REF):
         assert ranks[0]["metrics"][1][key] == pytest.approx(single[1][key], rel=1e-4, abs=1e-7), key
         assert ranks[0]["metrics"][1][key] == ranks[1]["metrics"][1][key], key
 
@@ -447,4 +467,4 @@ def test_each_off_policy_mode_trains_on_stale_samples(mode):
     assert all(torch.isfinite(torch.tensor(v)) for v in got.values())
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
     # Only `truncated` takes the ratio against the behaviour policy, which is far from 1 here.
-    assert (got[M.CLIP_FRACTION] > 0.3) == (mode == "truncated")
+    assert (got[CLIP_FRACTION] > 0.3) == (mode == "truncated")
