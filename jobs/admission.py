@@ -14,7 +14,8 @@ devices on online hosts allow all of its devices at once; devices are chosen
 by jobs.placement. Decisions are made in memory, then written in bulk under
 the same locks: one conditional UPDATE moves the admitted runs from QUEUED,
 one INSERT creates their allocations, and one UPDATE stores the reason and
-1-based position of every run left queued (only where they changed). So a
+1-based position of every run left queued (only where they changed; the two
+UPDATEs are jobs.sql's ``mark_admitted`` and ``write_queue_state``). So a
 pass over a thousand queued runs is a handful of queries, whether it admits
 none of them or all.
 
@@ -33,15 +34,14 @@ import datetime
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Least
 from django.utils import timezone
 
-from jobs import placement
+from jobs import placement, sql
 from jobs.models import Allocation, Run
 from jobs.quota_usage import QuotaUsage, usage_by_quota
-from jobs.states import RunState
 from rlplatform import locks
 from rlplatform.models import Device, Host, HostStatus, Quota, ResourceGroup
 
@@ -178,7 +178,7 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
         position += 1
         if reason != old_reason or position != old_position:
             changed.append((run_id, reason, position))
-    admitted = _mark_admitted(list(chosen_for), now) if chosen_for else []
+    admitted = sql.mark_admitted(list(chosen_for), now) if chosen_for else []
     if admitted:
         Allocation.objects.bulk_create(
             Allocation(run_id=run_id, device_id=device_id, created_at=now, accounted_until=now)
@@ -186,55 +186,5 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
             for device_id in chosen_for[run_id]
         )
     if changed:
-        _write_queue_state(changed)
+        sql.write_queue_state(changed)
     return admitted
-
-
-def _mark_admitted(run_ids: list[int], now: datetime.datetime) -> list[int]:
-    """Move the runs from QUEUED to ADMITTED in one conditional UPDATE; return those that moved, in order.
-
-    A run that is no longer QUEUED (moved by someone not holding the group
-    lock) keeps its state and gets no allocation; its devices stay free for
-    the next pass, which is the safe side.
-    """
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f'UPDATE "{Run._meta.db_table}" SET "state" = %s, "reason" = \'\', "queue_position" = NULL, '
-                '"admitted_at" = %s, "updated_at" = %s WHERE "id" = ANY(%s::bigint[]) AND "state" = %s RETURNING "id"',
-                [RunState.ADMITTED.value, now, now, run_ids, RunState.QUEUED.value],
-            )
-            moved = {row[0] for row in cursor.fetchall()}
-        return [run_id for run_id in run_ids if run_id in moved]
-    # Elsewhere (SQLite, the single-machine demo: small queues) one conditional UPDATE per run.
-    return [
-        run_id
-        for run_id in run_ids
-        if Run.objects.filter(pk=run_id, state=RunState.QUEUED).update(
-            state=RunState.ADMITTED, reason="", queue_position=None, admitted_at=now, updated_at=now
-        )
-    ]
-
-
-def _write_queue_state(changed: list[tuple[int, str, int]]) -> None:
-    """Store (run id, reason, position) rows in one statement.
-
-    On PostgreSQL an ``UPDATE ... FROM (VALUES ...)``: Django's bulk_update
-    builds a CASE expression per row, which costs more Python time than the
-    whole rest of a 1,000-run pass.
-    """
-    if connection.vendor != "postgresql":
-        runs = [Run(pk=pk, reason=reason, queue_position=position) for pk, reason, position in changed]
-        Run.objects.bulk_update(runs, ["reason", "queue_position"], batch_size=500)
-        return
-    table = Run._meta.db_table
-    for start in range(0, len(changed), 2000):
-        chunk = changed[start : start + 2000]
-        values = ", ".join(["(%s::bigint, %s::text, %s::integer)"] * len(chunk))
-        params = [item for row in chunk for item in row]
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f'UPDATE "{table}" AS r SET "reason" = v.reason, "queue_position" = v.position '
-                f"FROM (VALUES {values}) AS v(id, reason, position) WHERE r.id = v.id",
-                params,
-            )

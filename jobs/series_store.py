@@ -25,10 +25,9 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
-import psycopg
 from django.db import connection, transaction
 
-from jobs.models import MetricPoint
+from jobs import sql
 
 __all__ = [
     "BLOCK_POINTS",
@@ -52,14 +51,8 @@ _LOCK_NAMESPACE = 0x5E1E5
 
 
 def _enabled() -> bool:
-    return connection.vendor == "postgresql"
-
-
-def _binary_cursor() -> psycopg.Cursor:
-    """A server-binding cursor on Django's connection (same transaction): binary results and bytea parameters
-    without hex text, which Django's client-side cursors cannot do (hex doubles the bytes and costs a decode)."""
-    connection.ensure_connection()
-    return psycopg.Cursor(connection.connection)
+    """The store exists on PostgreSQL only."""
+    return sql.on_postgresql()
 
 
 def in_store(run_id: int) -> bool:
@@ -298,7 +291,7 @@ def add_points(
     n = len(inserted)
     rows = _records([r[0] for r in inserted], [r[1] for r in inserted], attempt, [r[2] for r in inserted], 0)
     metrics = [points[r[1]][1] for r in inserted]
-    with _binary_cursor() as cursor:
+    with sql.binary_cursor() as cursor:
         if not merged:
             blocks = _append(cursor, run_id, tail, rows, metrics) if n else tail.blocks
         else:
@@ -334,24 +327,9 @@ def rewind(run_id: int, after_step: int, *, before_attempt: int | None = None) -
 
     The log row is written whether or not the run is in the store yet: a backfill running at the same time
     packs the flags as of its snapshot, and the log adds what it could not see. No store lock is taken.
+    The statements are jobs.sql.rewind_metric_points (elsewhere than PostgreSQL: the JSON rows alone).
     """
-    rows = MetricPoint.objects.filter(run_id=run_id, step__gt=after_step).live()
-    if before_attempt is not None:
-        rows = rows.filter(attempt__lt=before_attempt)
-    if not _enabled():
-        return rows.update(rewound=True)
-    attempt_filter = "" if before_attempt is None else " AND attempt < %s"
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE jobs_metricpoint SET rewound = true "
-            f"WHERE run_id = %s AND step > %s AND NOT rewound{attempt_filter} RETURNING id",
-            [run_id, after_step, *([] if before_attempt is None else [before_attempt])],
-        )
-        ids = np.array([row[0] for row in cursor.fetchall()], dtype="<i8")
-        if len(ids):
-            with _binary_cursor() as binary:
-                binary.execute("INSERT INTO jobs_seriesrewind (run_id, ids) VALUES (%s, %b)", [run_id, ids.tobytes()])
-    return len(ids)
+    return sql.rewind_metric_points(run_id, after_step, before_attempt)
 
 
 def backfill(run_id: int) -> int | None:
@@ -373,7 +351,7 @@ def backfill(run_id: int) -> int | None:
         if rows:
             columns = list(zip(*rows, strict=True))
             writer.append(_records(*columns[:5]), [json.loads(m) if isinstance(m, str) else m for m in columns[5]])
-            with _binary_cursor() as cursor:
+            with sql.binary_cursor() as cursor:
                 writer.write(cursor)
         with connection.cursor() as cursor:
             cursor.execute("INSERT INTO jobs_seriesstore (run_id, blocks) VALUES (%s, %s)", [run_id, writer.blocks])
@@ -399,7 +377,7 @@ def read_table(run_id: int, keys: list[str], include_rewound: bool) -> np.ndarra
     """
     if not _enabled():
         return None
-    with _binary_cursor() as cursor:
+    with sql.binary_cursor() as cursor:
         cursor.execute(_READ, [run_id, run_id, keys, run_id, run_id], binary=True)
         rows = cursor.fetchall()
     if not any(r[0] == 2 for r in rows):

@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from celery.signals import worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
@@ -71,7 +70,7 @@ from jobs.models import RoleHeartbeat, Run, RunRole
 from jobs.models import RoleState as R
 from jobs.states import ACTIVE_STATES, IllegalTransition, RunState
 from rlplatform import shutdown
-from rlplatform.agent import config_from_env
+from rlplatform.agent import AgentConfig, on_host_ready
 from rlplatform.models import Host
 from runtime.contract import (
     ENV_ATTEMPT,
@@ -440,22 +439,22 @@ class Supervisor:
 _supervisor: Supervisor | None = None
 
 
-@worker_ready.connect
-def _start_supervisor(sender, **kwargs) -> None:
+def _start_supervisor(config: AgentConfig) -> None:
     """Every host agent (a worker with TANDEM_HOST_NAME) supervises its host's role processes."""
     global _supervisor
-    config = config_from_env()
-    if config is None or _supervisor is not None:
+    if _supervisor is not None:
         return
     _supervisor = Supervisor(config.host_name, settings.TANDEM_SUPERVISE_S)
     _supervisor.start()
 
 
-@worker_shutdown.connect
-def _stop_supervisor(sender, **kwargs) -> None:
+def _stop_supervisor() -> None:
     # The role processes live on (they are detached): the next worker on this host adopts them.
     global _supervisor
     if _supervisor is not None:
         _supervisor.stop()
         _supervisor = None
-        shutdown.arm_exit_guard()  # the pool has stopped: only the interpreter's exit is left
+
+
+# Started and stopped by the host agent's own worker hooks (rlplatform.agent), after the agent itself.
+on_host_ready("role supervisor", _start_supervisor, _stop_supervisor)

@@ -4,8 +4,8 @@ All are idempotent and safe to overlap: every pass takes the group lock,
 accounting moves each allocation's ``accounted_until`` mark, and a role start is
 claimed by a conditional update (jobs.supervisor). ``start_role`` is the one
 task sent to a host's own queue (``host.<name>``); the rest run on ``default``.
-Importing jobs.supervisor here also connects the role supervisor to the
-worker's signals: the worker imports this module through autodiscovery.
+Importing jobs.supervisor here also registers the role supervisor with the
+host agent (rlplatform.agent.on_host_ready): the worker imports this module through autodiscovery.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Start a worker on an accelerator host with ``TANDEM_HOST_NAME`` and
 Celery's own worker signals drive it: ``celeryd_after_setup`` adds the host's
 queue (``host.<name>``) to the queues the worker consumes, ``worker_ready``
 starts the agent, ``worker_shutdown`` stops it and marks the host OFFLINE.
+These hooks are the host agent's one entry point: they also start and stop
+the host services registered with ``on_host_ready`` (the role supervisor,
+jobs.supervisor).
 
 The heartbeat loop is a thread of the worker's main process, not a task on
 the host's queue: role tasks occupy the worker's pool slots for a run's whole
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown
@@ -188,6 +192,32 @@ class HostAgent:
 _agent: HostAgent | None = None
 
 
+# --- what else a host agent runs ---------------------------------------------------------------------------
+#
+# The agent's worker_ready / worker_shutdown hooks are the one entry point of a host agent: they start and
+# stop the agent and then the host services registered here. The role supervisor is one (jobs.supervisor
+# registers it when imported, which the worker does through the autodiscovery of jobs.tasks, before it is
+# ready). Registration instead of an import: jobs imports rlplatform, and rlplatform reaches jobs only by
+# name (task names, apps.get_model), so the dependency keeps one direction.
+
+
+@dataclass(frozen=True)
+class HostService:
+    name: str
+    start: Callable[[AgentConfig], None]
+    stop: Callable[[], None]
+
+
+_services: list[HostService] = []
+
+
+def on_host_ready(name: str, start: Callable[[AgentConfig], None], stop: Callable[[], None]) -> None:
+    """Have every host agent call ``start(config)`` once it is ready (after the agent started) and ``stop()``
+    at its shutdown (after the agent stopped). Registering the same name again replaces it."""
+    _services[:] = [s for s in _services if s.name != name]
+    _services.append(HostService(name, start, stop))
+
+
 @celeryd_after_setup.connect
 def _consume_host_queue(sender, instance, **kwargs) -> None:
     """Consume ``host.<name>`` besides any ``-Q`` queues (Celery's documented hook for adding queues)."""
@@ -202,7 +232,7 @@ def _consume_host_queue(sender, instance, **kwargs) -> None:
 
 
 @worker_ready.connect
-def _start_agent(sender, **kwargs) -> None:
+def _start_host_agent(sender, **kwargs) -> None:
     global _agent
     config = config_from_env()
     if config is None or _agent is not None:
@@ -210,12 +240,23 @@ def _start_agent(sender, **kwargs) -> None:
     _agent = HostAgent(config)
     _agent.start()
     logger.info("host agent %s started (group %s, queue %s)", config.host_name, config.group_name, config.queue)
+    for service in list(_services):
+        try:
+            service.start(config)
+        except Exception:  # one service failing to start must not keep the others (or the agent) from running
+            logger.exception("host agent %s: could not start %s", config.host_name, service.name)
 
 
 @worker_shutdown.connect
-def _stop_agent(sender, **kwargs) -> None:
+def _stop_host_agent(sender, **kwargs) -> None:
     global _agent
-    if _agent is not None:
-        _agent.stop()
-        _agent = None
-        shutdown.arm_exit_guard()  # the pool has stopped: only the interpreter's exit is left
+    if _agent is None:
+        return
+    _agent.stop()
+    _agent = None
+    for service in list(_services):
+        try:
+            service.stop()
+        except Exception:  # the others must still stop, and the exit guard be armed
+            logger.exception("host agent: could not stop %s", service.name)
+    shutdown.arm_exit_guard()  # the pool has stopped: only the interpreter's exit is left

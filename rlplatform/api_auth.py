@@ -9,83 +9,48 @@ comes second in settings and leaves ``request.auth`` None.
 from __future__ import annotations
 
 import hmac
-from functools import cache
 
-from django.contrib.auth import get_user_model
-from django.db import connection
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
-from rlplatform import tokens
-from rlplatform.models import APIToken, Membership
+from rlplatform import sql, tokens
+from rlplatform.models import APIToken
 
 KEYWORD = "Bearer"
 
 
 def bearer_credential(request, what: str = "token") -> str | None:
     """The raw credential of an ``Authorization: Bearer …`` header; None when there is no such header."""
-    header = authentication.get_authorization_header(request).split()
-    if not header or header[0].lower() != KEYWORD.lower().encode():
+    return parse_bearer(authentication.get_authorization_header(request), what)
+
+
+def parse_bearer(header: bytes, what: str = "token") -> str | None:
+    """The credential of an ``Authorization`` header's value ``Bearer <credential>``; None when it is not a
+    bearer header; AuthenticationFailed when it is one but malformed."""
+    parts = header.split()
+    if not parts or parts[0].lower() != KEYWORD.lower().encode():
         return None
-    if len(header) != 2:
+    if len(parts) != 2:
         raise exceptions.AuthenticationFailed(f"Authorization header must be 'Bearer <{what}>'")
     try:
-        return header[1].decode()
+        return parts[1].decode()
     except UnicodeError:
         raise exceptions.AuthenticationFailed("token contains invalid characters") from None
 
 
-# --- the token check on the hot path ---------------------------------------------------------------------
-#
-# rlplatform.tokens.authenticate_token with its one query written out: building that query through the
-# ORM (token, user, and an EXISTS on the membership) cost about 2 ms of CPU on the 2-core dev machine,
-# four times the run-status read it guards. Same rules, same objects; tests/api/test_api_runs.py checks
-# the two agree on every kind of token. PostgreSQL only (SQLite hands back naive datetimes that the ORM
-# would convert): elsewhere the ORM version runs.
-
-
-@cache
-def _token_query() -> tuple[str, list, list]:
-    """(SQL, token fields, user fields): a token by prefix, its user, and whether the user is in its team."""
-    q = connection.ops.quote_name
-    user_model = get_user_model()
-    token_fields, user_fields = list(APIToken._meta.concrete_fields), list(user_model._meta.concrete_fields)
-    member = Membership._meta
-    columns = [f"t.{q(f.column)}" for f in token_fields] + [f"u.{q(f.column)}" for f in user_fields]
-    sql = (
-        f"SELECT {', '.join(columns)}, EXISTS (SELECT 1 FROM {q(member.db_table)} m "
-        f"WHERE m.{q('team_id')} = t.{q('team_id')} AND m.{q('user_id')} = t.{q('user_id')}) "
-        f"FROM {q(APIToken._meta.db_table)} t "
-        f"JOIN {q(user_model._meta.db_table)} u ON u.{q(user_model._meta.pk.column)} = t.{q('user_id')} "
-        f"WHERE t.{q('prefix')} = %s"
-    )
-    return sql, token_fields, user_fields
-
-
-def _find_token(prefix: str) -> APIToken | None:
-    sql, token_fields, user_fields = _token_query()
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [prefix])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    n = len(token_fields)
-    token = APIToken.from_db(connection.alias, [f.attname for f in token_fields], row[:n])
-    token.user = get_user_model().from_db(connection.alias, [f.attname for f in user_fields], row[n:-1])
-    token.user_in_team = row[-1]
-    return token
-
-
 def authenticate_token(raw: str) -> APIToken | None:
     """The valid token for ``raw`` (with ``user`` loaded), or None: rlplatform.tokens.authenticate_token's
-    rules (unknown, wrong secret, revoked, expired, inactive user, user no longer in the token's team)."""
-    if connection.vendor != "postgresql":
-        return tokens.authenticate_token(raw)
+    rules (unknown, wrong secret, revoked, expired, inactive user, user no longer in the token's team).
+
+    The one token check of the API: DRF's TokenAuthentication below and the run-status fast path
+    (jobs.api.fast_status) both call it. Its query is rlplatform.sql.find_token (hand-written on
+    PostgreSQL: the hot path); tests/api/test_api_runs.py checks it agrees with rlplatform.tokens.
+    """
     prefix = tokens._split(raw)  # the token format lives in rlplatform.tokens
     if prefix is None:
         return None
-    token = _find_token(prefix)
+    token = sql.find_token(prefix)
     if token is None or not hmac.compare_digest(token.token_hash, tokens.hash_token(raw)):
         return None
     now = timezone.now()

@@ -4,7 +4,8 @@ CI polls GET /api/runs/{id}/. Through Django's ASGI handler a read costs about 1
 2-core dev machine, most of it not the read: each of the middlewares' hooks runs in its own thread hop
 (about 0.25 ms each), plus the request signals and DRF's dispatch. This wrapper answers the plain
 case (a GET with an API token, no query string, JSON accepted) itself: one hop to a thread, the same
-token check and the same run query (jobs.api.serializers.run_status_reply), and the bytes and headers
+token check (rlplatform.api_auth's parse_bearer and authenticate_token, which DRF's authentication calls
+too) and the same run query (jobs.api.serializers.run_status_reply), and the bytes and headers
 Django and DRF would send (tested side by side in tests/api/test_api_runs.py). Anything else, and every
 answer but a 200 (bad token, another team's run, a disallowed host), goes to Django, which answers as
 always. It is on only while the installed middleware is rlplatform.middleware_stack's list.
@@ -18,11 +19,12 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 from django.http.request import split_domain_port, validate_host
+from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.renderers import JSONRenderer
 
 from jobs.api.serializers import run_status_reply
 from rlplatform import middleware_stack
-from rlplatform.api_auth import authenticate_token
+from rlplatform.api_auth import authenticate_token, parse_bearer
 from rlplatform.security_headers import CONTENT_SECURITY_POLICY, CSP_HEADER
 
 _STATUS_PATH = re.compile(r"/api/runs/([0-9]+)/")
@@ -68,6 +70,15 @@ def _allowed_host(host: bytes) -> bool:
     return bool(domain) and validate_host(domain, allowed)
 
 
+def _credential(authorization: bytes) -> str | None:
+    """The bearer credential, parsed as DRF's TokenAuthentication parses it; None for anything else, malformed
+    headers included (Django answers those, with DRF's message)."""
+    try:
+        return parse_bearer(authorization)
+    except AuthenticationFailed:
+        return None
+
+
 def _fast_status(run_id: int, host: bytes, credential: str) -> list | None:
     """(headers, body) of the 200 reply, or None: Django answers instead."""
     close_old_connections()  # what Django's request_started / request_finished signals do
@@ -107,23 +118,10 @@ class RunStatusFastPath:
             match = _STATUS_PATH.fullmatch(scope["path"]) if not scope.get("root_path") else None
         if match is not None:
             headers = dict(scope["headers"])  # ASGI header names are lower-case
-            parts = headers.get(b"authorization", b"").split()
             host = headers.get(b"host")
-            if (
-                len(parts) == 2
-                and parts[0].lower() == b"bearer"
-                and host is not None
-                and headers.get(b"accept") in _JSON_ACCEPTS
-            ):
-                try:
-                    credential = parts[1].decode()
-                except UnicodeError:
-                    credential = None
-                reply = None
-                if credential is not None:
-                    reply = await sync_to_async(_fast_status, thread_sensitive=False)(
-                        int(match.group(1)), host, credential
-                    )
+            credential = _credential(headers.get(b"authorization", b""))
+            if credential is not None and host is not None and headers.get(b"accept") in _JSON_ACCEPTS:
+                reply = await sync_to_async(_fast_status, thread_sensitive=False)(int(match.group(1)), host, credential)
                 if reply is not None:
                     await send({"type": "http.response.start", "status": 200, "headers": reply[0]})
                     await send({"type": "http.response.body", "body": reply[1]})

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
-from jobs import commands, confinement, series_store, stream
+from jobs import commands, confinement, series_store, sql, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
-from jobs.models import CheckpointRecord, MetricPoint, RoleHeartbeat, Run, RunEvent, RunToken
+from jobs.models import CheckpointRecord, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
 from runtime.contract import INT_RANGE, MAX_ROLE_NAME, MAX_STEP, TRAINER_ROLE, read_batch
 
@@ -136,68 +136,15 @@ def _dt(ts: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC)
 
 
-# One statement per batch. The points travel as one JSON array parameter, unpacked by PostgreSQL in C
-# (per-element array parameters cost more in the driver than the insert itself). Conflict target: the
-# partial unique index of live rows (rewound rows never conflict). The merge keeps existing values
-# (right side of || wins) and skips rows that already hold every key, so a pure replay writes no new
-# row versions. RETURNING tells inserted rows (xmax = 0) from merged ones.
-_UPSERT_PG = """
-INSERT INTO jobs_metricpoint (run_id, attempt, step, time, metrics, rewound)
-SELECT %s, %s, (p->>'step')::bigint, to_timestamp((p->>'time')::float8), p->'metrics', false
-FROM jsonb_array_elements(%s::jsonb) AS p
-ON CONFLICT (run_id, attempt, step) WHERE NOT rewound
-DO UPDATE SET metrics = EXCLUDED.metrics || jobs_metricpoint.metrics
-WHERE NOT (jobs_metricpoint.metrics ?& ARRAY(SELECT jsonb_object_keys(EXCLUDED.metrics)))
-RETURNING id, step, extract(epoch from time)::float8, (xmax = 0), CASE WHEN xmax = 0 THEN NULL ELSE metrics END
-"""
-
-
 def store_points(token: RunToken, points: dict[int, tuple[float, dict[str, Any]]]) -> dict[str, int]:
-    """Upsert the points; returns counts of rows inserted, merged (new keys) and unchanged (pure replays)."""
+    """Upsert the points (jobs.sql.upsert_metric_points, one statement on PostgreSQL); returns counts of rows
+    inserted, merged (new keys) and unchanged (pure replays)."""
     if not points:
         return {"inserted": 0, "merged": 0, "unchanged": 0}
-    steps = sorted(points)  # one lock order for concurrent batches of a run: no deadlocks between them
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(
-                _UPSERT_PG,
-                [
-                    token.run_id,
-                    token.attempt,
-                    json.dumps([{"step": s, "time": points[s][0], "metrics": points[s][1]} for s in steps]),
-                ],
-            )
-            returned = cursor.fetchall()
-        series_store.add_points(token.run_id, token.attempt, returned, points)  # the chart-data store follows
-        flags = [row[3] for row in returned]
-        inserted = sum(flags)
-        return {"inserted": inserted, "merged": len(flags) - inserted, "unchanged": len(steps) - len(flags)}
-    return _store_points_portable(token, steps, points)
-
-
-def _store_points_portable(token, steps, points) -> dict[str, int]:
-    """The same merge for SQLite (the one-machine demo): read the live rows, then bulk insert and update."""
-    existing: dict[int, MetricPoint] = {}
-    for start in range(0, len(steps), 500):  # keep under SQLite's bound-variable limit
-        chunk = steps[start : start + 500]
-        for row in MetricPoint.objects.filter(
-            run_id=token.run_id, attempt=token.attempt, rewound=False, step__in=chunk
-        ):
-            existing[row.step] = row
-    new, changed = [], []
-    for step in steps:
-        when, metrics = points[step]
-        row = existing.get(step)
-        if row is None:
-            new.append(
-                MetricPoint(run_id=token.run_id, attempt=token.attempt, step=step, time=_dt(when), metrics=metrics)
-            )
-        elif not metrics.keys() <= row.metrics.keys():
-            row.metrics = {**metrics, **row.metrics}
-            changed.append(row)
-    MetricPoint.objects.bulk_create(new, batch_size=500)
-    MetricPoint.objects.bulk_update(changed, ["metrics"], batch_size=500)
-    return {"inserted": len(new), "merged": len(changed), "unchanged": len(steps) - len(new) - len(changed)}
+    written = sql.upsert_metric_points(token.run_id, token.attempt, points)
+    series_store.add_points(token.run_id, token.attempt, written, points)  # the chart-data store follows
+    inserted = sum(row[3] for row in written)
+    return {"inserted": inserted, "merged": len(written) - inserted, "unchanged": len(points) - len(written)}
 
 
 def _check_checkpoint_paths(token: RunToken, kind: Any, payload: dict[str, Any], where: str, errors: _Errors) -> None:

@@ -20,7 +20,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 
-from jobs import commands, series, series_store
+from jobs import commands, series, series_store, sql
 from jobs.models import MetricPoint, SeriesPointBlock, SeriesStore, SeriesValueBlock
 
 from .helpers import batch, post
@@ -59,7 +59,7 @@ def assert_store_matches_json_rows(run) -> None:
     # The tables themselves, NaN for NaN (the replies above only show what downsampling kept).
     for include_rewound in (False, True):
         table = series_store.read_table(run.pk, KEYS, include_rewound)
-        reference = series._table_postgres(run.pk, KEYS, include_rewound, "time")
+        reference = sql.metric_table_pg(run.pk, KEYS, include_rewound, "time")
         columns = [0, 1, *range(3, 3 + len(KEYS))] + ([2] if include_rewound else [])
         np.testing.assert_array_equal(table[:, columns], reference[:, columns])
 

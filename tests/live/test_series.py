@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs import commands, series
+from jobs import commands, series, sql
 from jobs.models import MetricPoint
 from jobs.series import downsample
 
@@ -173,16 +173,16 @@ def test_a_long_run_read_in_two_step_ranges_at_once_gives_the_same_series(run, m
         MetricPoint(run=run, attempt=1, step=s, time=T0, metrics={"reward/mean": 100.0 + s}) for s in range(30, 61)
     )
     keys = ["reward/mean", "loss/policy"]
-    read_rows, ranges_read = series._read_rows, []
+    read_rows, ranges_read = sql._read_rows, []
 
     def recording_read_rows(*args):
         ranges_read.append(args[-2:])
         return read_rows(*args)
 
-    monkeypatch.setattr(series, "_read_rows", recording_read_rows)
+    monkeypatch.setattr(sql, "_read_rows", recording_read_rows)
     results = {}
     for name, threshold in (("one range", 10**9), ("two ranges", 10)):
-        monkeypatch.setattr(series, "PARALLEL_MIN_STEPS", threshold)
+        monkeypatch.setattr(sql, "PARALLEL_MIN_STEPS", threshold)
         ranges_read.clear()
         results[name] = [
             series.series(run.pk, keys, max_points=max_points, include_rewound=rewound)

@@ -7,7 +7,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from jobs import admission
+from jobs import admission, sql
 from jobs.models import Allocation, Run
 from jobs.states import RunState
 
@@ -97,7 +97,7 @@ def test_the_batch_update_skips_a_run_no_longer_queued(make_group, make_experime
     first, moved, last = (r.pk for r in _queue(exp, [1, 1, 1]))
     Run.objects.filter(pk=moved).update(state=RunState.CANCELLED)
 
-    assert admission._mark_admitted([first, moved, last], timezone.now()) == [first, last]
+    assert sql.mark_admitted([first, moved, last], timezone.now()) == [first, last]
 
     states = dict(Run.objects.values_list("pk", "state"))
     assert states == {first: RunState.ADMITTED, moved: RunState.CANCELLED, last: RunState.ADMITTED}
