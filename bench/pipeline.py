@@ -100,7 +100,6 @@ def base_spec(args: argparse.Namespace, out: Path, model_dir: Path | None) -> di
             "steps": args.steps,
             "prompts_per_step": args.prompts,
             "eval_interval": 0,
-            "max_policy_lag": args.lag,
         },
         "checkpoint": {"interval": 0, "keep_last": 1},
         "metrics": {"progress_bar": False},
@@ -201,7 +200,13 @@ def main() -> None:
         # Interleaved rounds, best round per run: on a shared machine other jobs' load comes and
         # goes, and the best round is the least disturbed measurement of each run.
         rounds = [
-            {name: measure(name, mode, pipe, data, args.warmup, k) for name, mode, pipe, _ in RUNS}
+            # the lag bound acts in async alone (sync and colocated train on what they just generated)
+            {
+                name: measure(
+                    name, mode, {"max_policy_lag": args.lag, **pipe} if mode == "async" else pipe, data, args.warmup, k
+                )
+                for name, mode, pipe, _ in RUNS
+            }
             for k in range(args.rounds)
         ]
         results = {name: max((r[name] for r in rounds), key=lambda m: m["samples_per_s"]) for name in NAMES}

@@ -46,7 +46,6 @@ from runtime.spec import SpecError, validate_spec
 
 __all__ = [
     "RESULT_STATES",
-    "SAFE_PARAMS",
     "CommandNotFound",
     "complete",
     "create",
@@ -55,8 +54,6 @@ __all__ = [
 ]
 
 RESULT_STATES = (CommandState.DONE.value, CommandState.FAILED.value)
-# Parameters the runtime can change between steps without a restart (set_params): the runtime's list.
-SAFE_PARAMS = LIVE_PARAMS
 REDELIVER_AFTER = datetime.timedelta(seconds=30)
 AUDITED_FIELDS = ("run", "kind", "args", "state", "message")
 
@@ -161,11 +158,19 @@ def _rollback_args(run: Run, args: dict[str, Any]) -> dict[str, Any]:
     return {"checkpoint": record.pk, "step": record.step, "path": record.path, "weight_version": record.weight_version}
 
 
+def live_params(run: Run) -> tuple[str, ...]:
+    """The live parameters (runtime.contract.LIVE_PARAMS) that act in the run's mode: those its resolved spec
+    records (it leaves out a knob its mode ignores, such as pipeline.max_policy_lag outside async)."""
+    return tuple(key for key in LIVE_PARAMS if _get(run.resolved_spec, key) is not None)
+
+
 def effective_params(run: Run) -> dict[str, Any]:
-    """The safe parameters now in force: the resolved spec's, overlaid by every config version not failed."""
-    values = {key: _get(run.resolved_spec, key) for key in SAFE_PARAMS}
+    """The live parameters now in force: the resolved spec's, overlaid by every config version not failed
+    (a stored value of a parameter that does not act in the run's mode is never handed to the runtime)."""
+    keys = live_params(run)
+    values = {key: _get(run.resolved_spec, key) for key in keys}
     for version in ConfigVersion.objects.filter(run=run).exclude(command__state=CommandState.FAILED):
-        values.update(version.params)
+        values.update({k: v for k, v in version.params.items() if k in keys})
     return values
 
 

@@ -1,7 +1,7 @@
 """A run's live parameters over time: the one computation of config-version diffs.
 
 Entry 0 holds the resolved spec's values of the live parameters
-(jobs.commands.SAFE_PARAMS); then one entry per config version, with what it
+(jobs.commands.live_params); then one entry per config version, with what it
 set, the parameters in force after it, and its diff against those in force
 before it. A change whose command failed never took effect (as in
 jobs.commands.effective_params): it is listed, and later diffs ignore it.
@@ -23,7 +23,7 @@ def config_history(run: Run) -> list[dict[str, Any]]:
 
     Entries of versions also carry ``created_by`` (a username or None) and ``created_at``."""
     # (commands._get reads a dotted parameter the way commands.effective_params does)
-    base = {key: commands._get(run.resolved_spec, key) for key in commands.SAFE_PARAMS}
+    base = {key: commands._get(run.resolved_spec, key) for key in commands.live_params(run)}
     current = dict(base)
     history = [{"number": 0, "params": {}, "effective": dict(base), "diff": {}, "state": INITIAL}]
     versions = ConfigVersion.objects.filter(run=run).select_related("command", "created_by").order_by("number")

@@ -227,7 +227,7 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "commands": Command.objects.filter(run=run).order_by("-pk")[:20],
         "configs": _config_rows(run),
         "checkpoints": checkpoints,
-        "safe_params": commands.SAFE_PARAMS,
+        "safe_params": commands.live_params(run),
     }
     return render(request, "jobs/run.html", context)
 

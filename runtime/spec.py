@@ -500,7 +500,7 @@ class RunSpec(_Section):
             )
         taken = {e["field"] for e in errors}
         for path, modes in MODE_ONLY.items():
-            if path not in taken and not self._acts(path) and _value_at(self, path) != _default_at(path):
+            if path not in taken and not self.acts(path) and _value_at(self, path) != _default_at(path):
                 errors.append(
                     {
                         "field": path,
@@ -528,7 +528,7 @@ class RunSpec(_Section):
     def queue_capacity(self) -> int:
         return self.pipeline.queue_capacity or 5 * self.samples_per_step
 
-    def _acts(self, path: str) -> bool:
+    def acts(self, path: str) -> bool:
         """Whether the knob at ``path`` acts in this spec's mode (every knob outside MODE_ONLY does)."""
         modes = MODE_ONLY.get(path)
         return modes is None or self.pipeline.mode in modes
@@ -538,7 +538,7 @@ class RunSpec(_Section):
         its mode (MODE_ONLY): it records what runs."""
         data = self.model_dump(mode="json")
         for path in MODE_ONLY:
-            if not self._acts(path):
+            if not self.acts(path):
                 section, name = path.split(".")
                 del data[section][name]
         return data
@@ -570,6 +570,7 @@ MODE_ONLY: dict[str, tuple[str, ...]] = {
     # ... and no sample queue: a step trains on the batch it just generated, never on a stale sample
     "pipeline.queue_capacity": ("async",),
     "pipeline.on_lag_exceeded": ("async",),
+    "pipeline.max_policy_lag": ("async",),
     # remote rollout instances and a remote evaluator connect to an async trainer only
     "resources.remote_rollout_workers": ("async",),
     "resources.remote_evaluator": ("async",),

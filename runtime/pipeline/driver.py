@@ -506,6 +506,8 @@ class RunContext:
                     return False, f"args.params.{key}: must be a number > 0, got {value!r}"
             elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return False, f"args.params.{key}: must be an integer >= 0, got {value!r}"
+            if not self.spec.acts(key):  # recorded, it would act on nothing (runtime.spec.MODE_ONLY)
+                return False, f"args.params.{key}: does not act in pipeline.mode {self.spec.pipeline.mode}"
             section, name = key.split(".")
             try:  # the spec's own bounds (validate_assignment)
                 setattr(getattr(trial, section), name, value)

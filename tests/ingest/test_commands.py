@@ -146,24 +146,38 @@ def test_cancel_ends_the_run_and_its_token_at_once(run, ingest, owner):
 
 def test_set_params_records_numbered_versions_of_validated_values(run, ingest, owner):
     first = commands.create(owner, run, "set_params", {"params": {"trainer.lr": "2e-5"}})
-    second = commands.create(owner, run, "set_params", {"params": {"pipeline.max_policy_lag": 3}})
+    second = commands.create(owner, run, "set_params", {"params": {"pipeline.eval_interval": 3}})
 
     assert first.args == {"params": {"trainer.lr": 2e-5}}
     versions = list(ConfigVersion.objects.filter(run=run).values_list("number", "params", "command_id", "created_by"))
     assert versions == [
         (1, {"trainer.lr": 2e-5}, first.pk, owner.pk),
-        (2, {"pipeline.max_policy_lag": 3}, second.pk, owner.pk),
+        (2, {"pipeline.eval_interval": 3}, second.pk, owner.pk),
     ]
-    assert commands.effective_params(run) == {
-        "pipeline.max_policy_lag": 3,
-        "pipeline.eval_interval": 10,
-        "trainer.lr": 2e-5,
-    }
+    # a sync run: pipeline.max_policy_lag acts on nothing there, so it is not one of its live parameters
+    assert commands.effective_params(run) == {"pipeline.eval_interval": 3, "trainer.lr": 2e-5}
     delivered = post(ingest, "heartbeat", {"role": "trainer-0"}).json()["commands"]
     assert [c["args"] for c in delivered] == [
         {"params": {"trainer.lr": 2e-5}},
-        {"params": {"pipeline.max_policy_lag": 3}},
+        {"params": {"pipeline.eval_interval": 3}},
     ]
+
+
+def test_the_lag_bound_is_live_in_an_async_run_and_refused_where_it_acts_on_nothing(
+    run, experiment, submit, start, owner
+):
+    # a sync run: refused naming the field, nothing recorded
+    with pytest.raises(InvalidInput) as refused:
+        commands.create(owner, run, "set_params", {"params": {"pipeline.max_policy_lag": 3}})
+    assert [e["field"] for e in refused.value.errors] == ["args.params.pipeline.max_policy_lag"]
+    assert "pipeline.mode async" in refused.value.errors[0]["message"]
+    assert not ConfigVersion.objects.filter(run=run).exists()
+    assert commands.live_params(run) == ("pipeline.eval_interval", "trainer.lr")
+    # an async run: it is live
+    async_run = start(submit(experiment, rollout_workers=2))
+    assert commands.live_params(async_run) == ("pipeline.max_policy_lag", "pipeline.eval_interval", "trainer.lr")
+    commands.create(owner, async_run, "set_params", {"params": {"pipeline.max_policy_lag": 3}})
+    assert commands.effective_params(async_run)["pipeline.max_policy_lag"] == 3
 
 
 @pytest.mark.parametrize(

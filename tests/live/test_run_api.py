@@ -83,16 +83,16 @@ def test_commands_list_newest_first(run, editor, viewer, api_as):
 def test_config_versions_with_diff(run, editor, viewer, api_as):
     lr = run.resolved_spec["trainer"]["lr"]
     commands.create(editor, run, "set_params", {"params": {"trainer.lr": 0.002}})
-    commands.create(editor, run, "set_params", {"params": {"pipeline.max_policy_lag": 3}})
+    commands.create(editor, run, "set_params", {"params": {"pipeline.eval_interval": 3}})
     body = api_as(viewer).get(f"/api/runs/{run.pk}/config-versions/").json()
     assert [v["number"] for v in body] == [0, 1, 2]
     assert body[1]["diff"] == {"trainer.lr": {"before": lr, "after": 0.002}}
-    lag = run.resolved_spec["pipeline"]["max_policy_lag"]
-    assert body[2]["diff"] == {"pipeline.max_policy_lag": {"before": lag, "after": 3}}
+    every = run.resolved_spec["pipeline"]["eval_interval"]
+    assert body[2]["diff"] == {"pipeline.eval_interval": {"before": every, "after": 3}}
     assert body[2]["effective"]["trainer.lr"] == 0.002
     assert _stream(run, "config") == [
         ("config", {"number": 1, "params": {"trainer.lr": 0.002}}),
-        ("config", {"number": 2, "params": {"pipeline.max_policy_lag": 3}}),
+        ("config", {"number": 2, "params": {"pipeline.eval_interval": 3}}),
     ]
 
 

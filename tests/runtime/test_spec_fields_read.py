@@ -73,10 +73,6 @@ EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
         "read by a remote rollout instance or evaluator waiting for its trainer "
         "(rollout/test_remote.py::test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart)",
     ),
-    # Not acting, not yet refused: sync and colocated train on samples of the current weights, so the bound
-    # holds by itself. Refusing it there needs jobs.commands.effective_params to skip a live parameter the
-    # resolved spec leaves out (it writes every one into each role's spec, and set_params tests use sync runs).
-    "pipeline.max_policy_lag": (("sync", "colocated"), "a live parameter every run's role spec carries"),
 }
 
 

@@ -27,6 +27,7 @@ ASKED = {
     "pipeline.transfer_shm_min_bytes": None,
     "pipeline.queue_capacity": 64,
     "pipeline.on_lag_exceeded": "drop",
+    "pipeline.max_policy_lag": 3,
     "resources.remote_rollout_workers": 1,
     "resources.remote_evaluator": True,
     "pipeline.rollout_listen": "127.0.0.1:0",
