@@ -496,7 +496,7 @@ class RunContext:
 
         params = args.get("params")
         problems = live_param_problems(params)
-        if problems:
+        if problems or not isinstance(params, dict):  # no problem means a dict: this narrows its type
             return False, "; ".join(f"args.{p['field']}: {p['message']}" for p in problems)
         trial = self.spec.model_copy(deep=True)
         for key, value in params.items():
