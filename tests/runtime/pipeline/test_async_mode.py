@@ -77,6 +77,7 @@ def test_rewards_from_a_failing_server_drop_whole_groups_and_lose_nothing(tmp_pa
             BASE,
             pipeline__mode=mode,
             resources__rollout_workers=2 if mode == "async" else 1,  # instances of their own: async only
+            pipeline__queue_capacity=32 if mode == "async" else None,  # and so is a sample queue
             reward__url=server.url,
             reward__max_retries=1,
             reward__backoff_s=0.01,
