@@ -102,7 +102,7 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
     import os
 
     from runtime.rollout.transfer import Aggregator, ShmCourier, sample_nbytes
-    from runtime.workloads.llm import to_bytes
+    from runtime.rollout.wire import to_bytes
 
     courier = ShmCourier(f"tandem-bench-{os.getpid()}-") if shm else None
 
@@ -127,7 +127,7 @@ def sender(conn, groups: list[list[Sample]], aggregate: bool, max_bytes: int, wi
 
 def message_phase(groups: list[list[Sample]], aggregate: bool, max_bytes: int, window_s: float, shm: bool) -> dict:
     from runtime.rollout.transfer import ShmCourier
-    from runtime.workloads.llm import from_bytes
+    from runtime.rollout.wire import from_bytes
 
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)

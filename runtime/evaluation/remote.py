@@ -34,6 +34,7 @@ import torch
 
 from runtime.contract import EVALUATOR_ROLE
 from runtime.rollout.link import RemotePeer, WeightBlobs, decode_weights, shutdown_socket, spec_digest
+from runtime.workloads.base import workload_for
 
 Request = tuple[int, int, int, dict[str, torch.Tensor]]  # (request id, step, version, weights)
 
@@ -159,23 +160,19 @@ def require_remote(spec: Any) -> None:
 
 
 class EvaluatorProcess:
-    """The evaluator's engine, task and held-out prompts, kept across sessions with (restarted) trainers."""
+    """The evaluator's engine and task (the run's workload's), kept across sessions with (restarted) trainers."""
 
     def __init__(self, spec: Any, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
-        from runtime.models import build_policy
-        from runtime.workloads.llm import build_engine, build_task
 
         r = spec.resources
         self.spec, self.log = spec, log
         if r.threads_per_process:
             set_threads(r.threads_per_process)
         self.device = resolve_device(r.device, 0)  # the platform makes this role's one device visible as 0
-        policy, self.tokenizer = build_policy(spec.model, self.device, seed=spec.seed)
-        policy.eval()
-        self.engine = build_engine(policy, self.tokenizer, self.device, spec)
-        self.task = build_task(spec)
-        self.prompts = self.task.eval_prompts()
+        self.workload = workload_for(spec)
+        self.engine = self.workload.eval_engine(spec, self.device)
+        self.task = self.workload.build_task(spec)
         self.hello = {
             "role": EVALUATOR_ROLE,
             "pid": os.getpid(),
@@ -193,9 +190,6 @@ class EvaluatorProcess:
 
     def session(self, conn: Any, welcome: dict[str, Any]) -> bool:
         """Evaluate for one connected trainer; True when it ended the run, False when it went away."""
-        from runtime.evaluation.evaluator import evaluate
-
-        r = self.spec.rollout
         weights: tuple[int, dict[str, torch.Tensor]] | None = None
         try:
             while True:
@@ -209,9 +203,7 @@ class EvaluatorProcess:
                         conn.send(("result", (request_id, step, None)))
                         continue
                     self.engine.update_weights(weights[1], version)
-                    metrics = evaluate(
-                        self.engine, self.tokenizer, self.task, self.prompts, r.max_new_tokens, r.max_batch_size
-                    )
+                    metrics = self.workload.evaluate(self.spec, self.engine, self.task)
                     conn.send(("result", (request_id, step, metrics)))
                 elif kind == "stop":
                     return True

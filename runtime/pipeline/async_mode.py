@@ -33,11 +33,10 @@ from runtime.pipeline.driver import PipelineError, RunContext
 from runtime.pipeline.instance_pool import InstancePool
 from runtime.pipeline.remote_peers import RemotePeers, takes_remote_peers
 from runtime.pipeline.rollout_ledger import RolloutLedger
-from runtime.rollout.instance import shm_prefix
 from runtime.rollout.transfer import sweep
+from runtime.rollout.wire import shm_prefix
 from runtime.sample_queue import QueueClosed, QueueStats, SampleQueue
 from runtime.samples import Sample
-from runtime.workloads.llm import ConsistencyProbe, WorkItem, build_engine
 
 
 class AsyncMode:
@@ -52,7 +51,7 @@ class AsyncMode:
         self.queue = SampleQueue(
             spec.queue_capacity, max_policy_lag=spec.pipeline.max_policy_lag, on_lag_exceeded=self.policy
         )
-        self.ledger = RolloutLedger(self.queue, ctx.weights, spec)
+        self.ledger = RolloutLedger(self.queue, ctx.weights, spec, ctx.workload, ctx.source)
         self.pool = InstancePool(ctx, self.ledger, self.queue)
         self.peers = RemotePeers(ctx, self.pool) if takes_remote_peers(spec) else None
         if ctx.resume_state is not None:
@@ -70,7 +69,7 @@ class AsyncMode:
     # ---- the loop ----
     def run(self) -> dict[str, Any]:
         ctx = self.ctx
-        probe = ConsistencyProbe(ctx.spec, ctx.device, max_samples=min(self.G, 4))  # a sample of the batch: cheap
+        probe = ctx.workload.consistency_probe(ctx.spec, ctx.device, max_samples=min(self.G, 4))  # a sample: cheap
         self.pool.share_weights(ctx.trainer.publish_state())
         if self.peers is not None:
             self.peers.listen()
@@ -111,7 +110,7 @@ class AsyncMode:
         self.queue.reset_watermark()
 
     def _train_on_next_batch(
-        self, step: int, timer: M.StepTimer, probe: ConsistencyProbe
+        self, step: int, timer: M.StepTimer, probe: Any
     ) -> tuple[list[Sample], QueueStats, dict[str, float]]:
         """Wait for the next batch, train on it and publish the new weights."""
         ctx, trainer = self.ctx, self.ctx.trainer
@@ -182,14 +181,12 @@ class AsyncMode:
         if not stale:
             return
         ctx = self.ctx
-        groups = sorted({s.group_id: s.prompt_id for s in stale}.items())
         ctx.dropped_total += len(stale)
         if self.policy == "drop":
-            ctx.trace["dropped"].extend(g for g, _ in groups)
+            ctx.trace["dropped"].extend(sorted({s.group_id for s in stale}))
             return
         self.queue.release([s.sample_id for s in stale])  # the regenerated group reuses the ids
-        items = [WorkItem(index=g, prompt=ctx.prompt_by_id[pid]) for g, pid in groups]
-        ctx.source.give_back(items, min_version=ctx.trainer.version)
+        ctx.source.regenerate(stale, min_version=ctx.trainer.version)
 
     def _trace_leftover(self) -> None:
         ctx = self.ctx
@@ -264,11 +261,8 @@ class AsyncMode:
 def _eval_engine(ctx: RunContext) -> Any:
     """The evaluator's engine: on its own device with ``resources.eval_devices``, else the trainer's."""
     from runtime.devices import resolve_device
-    from runtime.models import build_policy
     from runtime.placement import eval_device_index
 
     index = eval_device_index(ctx.spec)
     device = ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)
-    model, _ = build_policy(ctx.spec.model, device, seed=ctx.spec.seed)
-    model.eval()
-    return build_engine(model, ctx.tokenizer, device, ctx.spec)
+    return ctx.workload.eval_engine(ctx.spec, device, ctx.models)

@@ -25,9 +25,9 @@ The modes live in ``runtime.pipeline.inline`` (sync, colocated) and
 checkpoints, reporters, evaluation and the step boundary with its
 directives — is :class:`RunContext` here.
 
-The driver only calls roles (``runtime.workloads.llm``: prompt source, rollout
-worker; ``runtime.train.trainer``; ``runtime.evaluation.evaluator``) and never looks inside a
-sample. Every ``checkpoint.interval`` steps (and at the end) the full state
+The driver reaches the workload only through its protocol (``runtime.workloads.base.Workload``:
+models, trainer, data source, generation, evaluation, export; the LLM's is ``runtime.workloads.llm``)
+and never looks inside a sample. Every ``checkpoint.interval`` steps (and at the end) the full state
 is saved: trainer (policy, critic, optimizers, schedulers), RNG states, data
 cursor, the queue's contents and the prompts in flight, weight version, step
 and the metrics cursor; :func:`run` with ``resume`` continues from it.
@@ -63,15 +63,11 @@ from runtime.contract import (
     live_param_problems,
 )
 from runtime.control import Control, Directive
-from runtime.evaluation.evaluator import evaluate
+from runtime.sample_queue import PackError
 from runtime.samples import Sample
 from runtime.spec import RunSpec
 from runtime.weights.service import WeightService
-from runtime.workloads.llm import (
-    PromptSource,
-    build_models,
-    build_task,
-)
+from runtime.workloads.base import Workload, workload_for
 
 if TYPE_CHECKING:
     from runtime.checkpoint import CheckpointManager
@@ -173,6 +169,7 @@ class RunContext:
         rotate_checkpoints: bool = True,
     ):
         self.spec = spec.model_copy(deep=True)  # live parameter changes must not leak into the caller's spec
+        self.workload: Workload = workload_for(self.spec)
         self._init_control(stop, control)
         self.device = _trainer_device(self.spec)
         resume_path, self.resume_state = _read_resume(resume)
@@ -208,34 +205,29 @@ class RunContext:
         manual_seed_all(self.spec.seed)
 
     def _build_models_and_trainer(self) -> None:
-        from runtime.train.trainer import Trainer
+        self.models = self.workload.build_models(self.spec, self.device)
+        self.trainer = self._build_trainer()
 
-        self.models = build_models(self.spec, self.device)
-        self.tokenizer = self.models.tokenizer
-        self.trainer = self._build_trainer(Trainer)
-
-    def _build_trainer(self, trainer_cls: Any) -> Any:
+    def _build_trainer(self) -> Any:
         """This process's trainer; with ``resources.trainer_devices`` > 1 the leader of a data-parallel
         group of trainer ranks (:mod:`runtime.train.group`)."""
-        m = self.models
+        build = self.workload.build_trainer
         if self.spec.resources.trainer_devices == 1:
-            return trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic)
+            return build(self.spec, self.models, self.device)
         from runtime.train.group import TrainerGroup, start_group
 
         group, followers = start_group(self.spec, self.trainer_threads)
         try:
-            local = trainer_cls(self.spec, m.policy, self.tokenizer, self.device, m.ref_policy, m.critic, group)
+            local = build(self.spec, self.models, self.device, group)
             return TrainerGroup(local, followers)
         except BaseException:
             TrainerGroup.abandon(followers)
             raise
 
     def _build_data(self) -> None:
-        """The task, its training prompts (the prompt source) and its held-out prompts."""
-        self.task = build_task(self.spec)
-        self.source = PromptSource(self.task.train_prompts())
-        self.prompt_by_id = {p.prompt_id: p for p in self.source.prompts}
-        self.eval_prompts = self.task.eval_prompts()
+        """The task (training work and held-out evaluation) and the data source over its training work."""
+        self.task = self.workload.build_task(self.spec)
+        self.source = self.workload.build_source(self.task)
 
     def _checkpoint_manager(self, rotate: bool) -> CheckpointManager:
         from runtime.checkpoint import CheckpointManager
@@ -294,7 +286,6 @@ class RunContext:
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> Path:
         from runtime.checkpoint import capture_rng, checkpoint_info
-        from runtime.models import save_hf
 
         verify = getattr(self.trainer, "verify", None)  # data-parallel ranks: only rank 0's state is saved
         if verify is not None:
@@ -315,7 +306,7 @@ class RunContext:
         }
 
         def hf_export(directory: Path) -> None:
-            save_hf(self.models.policy, self.tokenizer, directory)
+            self.workload.export_policy(self.models, directory)
 
         path = self.ckpt.save(
             step,
@@ -353,8 +344,7 @@ class RunContext:
         return interval > 0 and (step == self.start_step or step % interval == 0 or step == self.final_step)
 
     def run_eval(self, engine: Any) -> dict:
-        r = self.spec.rollout
-        return evaluate(engine, self.tokenizer, self.task, self.eval_prompts, r.max_new_tokens, r.max_batch_size)
+        return self.workload.evaluate(self.spec, engine, self.task)
 
     def record_eval(self, step: int, metrics: dict) -> None:
         self.evals.append({"step": step, **metrics})
@@ -604,23 +594,27 @@ class RunContext:
         self.dropped_marks = {s: m for s, m in self.dropped_marks.items() if s <= step}
 
 
-def pack_queue(snapshot: dict[str, Any]) -> dict[str, Any]:
-    from runtime.checkpoint import pack_samples
+def pack_queue(snapshot: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    """A queue snapshot with its samples in the workload's packed form, for a checkpoint."""
+    from runtime.checkpoint import CheckpointError
 
     snap = dict(snapshot)
-    snap["items"] = pack_samples(snap["items"])
-    snap["stale"] = pack_samples(snap["stale"])
+    try:
+        snap["items"] = workload.pack_samples(snap["items"])
+        snap["stale"] = workload.pack_samples(snap["stale"])
+    except PackError as exc:
+        raise CheckpointError(str(exc)) from None
     return snap
 
 
-def unpack_queue(state: dict[str, Any], offset: int = 0) -> dict[str, Any]:
+def unpack_queue(state: dict[str, Any], workload: Workload, offset: int = 0) -> dict[str, Any]:
     """A checkpoint's queue; ``offset`` renumbers the samples' weight versions (after a rollback)."""
-    from runtime.checkpoint import unpack_samples
+    from runtime.checkpoint import CheckpointError
 
     snap = dict(state)
-    snap["items"] = unpack_samples(snap["items"])
-    snap["stale"] = unpack_samples(snap["stale"])
-    if offset:
-        for s in snap["items"] + snap["stale"]:
-            s.versions = [v + offset for v in s.versions]
+    try:
+        snap["items"] = workload.unpack_samples(dict(snap["items"]), offset)
+        snap["stale"] = workload.unpack_samples(dict(snap["stale"]), offset)
+    except PackError as exc:
+        raise CheckpointError(str(exc)) from None
     return snap

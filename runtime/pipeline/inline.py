@@ -17,10 +17,6 @@ from runtime import metrics as M
 from runtime.contract import QUEUE_DEPTH, QUEUE_WATERMARK, SAMPLES_DROPPED_REWARD, TIME_GENERATE, TIME_WAIT
 from runtime.pipeline.driver import PipelineError, RunContext, pack_queue
 from runtime.sample_queue import SampleQueue
-from runtime.workloads.llm import (
-    RolloutWorker,
-    build_engine,
-)
 
 REWARD_ROUNDS = 3  # rounds of fresh prompts a step asks for while the reward service drops groups
 
@@ -29,19 +25,13 @@ class InlineMode:
     """sync and colocated: generation and training alternate in this process."""
 
     def __init__(self, ctx: RunContext):
-        from runtime.models import build_policy
-
         spec = ctx.spec
         self.ctx = ctx
         self.colocated = spec.pipeline.mode == "colocated"
-        if self.colocated:
-            engine_model = ctx.models.policy  # zero copy: the engine reads the trainer's parameters
-        else:
-            engine_model, _ = build_policy(spec.model, ctx.device, seed=spec.seed)
-            engine_model.eval()
-        self.engine = build_engine(engine_model, ctx.tokenizer, ctx.device, spec)
+        # colocated: the engine runs on the trainer's own parameters (zero copy)
+        self.worker = ctx.workload.inline_generator(spec, ctx.models, ctx.task, ctx.device, self.colocated)
+        self.engine = self.worker.engine
         self.publish(initial=True)
-        self.worker = RolloutWorker(spec, self.engine, ctx.tokenizer, ctx.task, ctx.device)
 
     def publish(self, initial: bool = False) -> int:
         """The trainer's weights as its version, to the weight service and the engine."""
@@ -119,7 +109,8 @@ class InlineMode:
         self.ctx.record_eval(step, self.ctx.run_eval(self.engine))
 
     def checkpoint(self, step: int) -> None:
-        self.ctx.save_checkpoint(step, {"queue": pack_queue(SampleQueue(1).snapshot()), "in_flight": []})
+        empty = pack_queue(SampleQueue(1).snapshot(), self.ctx.workload)
+        self.ctx.save_checkpoint(step, {"queue": empty, "in_flight": []})
 
     def forget_in_flight(self) -> None:
         pass  # nothing is generated between steps

@@ -20,12 +20,12 @@ import torch
 
 from runtime.pipeline.driver import PipelineError, RunContext
 from runtime.pipeline.rollout_ledger import InstanceSlot, RolloutLedger
-from runtime.rollout.instance import rollout_process, shm_prefix
+from runtime.rollout.instance import rollout_process
 from runtime.rollout.scheduling import InstanceScaler
 from runtime.rollout.transfer import sweep
+from runtime.rollout.wire import EPOCH, STOP, shm_prefix
 from runtime.sample_queue import SampleQueue
 from runtime.spec import RunSpec
-from runtime.workloads.llm import EPOCH, STOP
 
 
 class InstancePool:

@@ -31,8 +31,8 @@ from runtime.rollout.link import (
     spec_digest,
     write_endpoint,
 )
+from runtime.rollout.wire import EPOCH
 from runtime.spec import RunSpec
-from runtime.workloads.llm import EPOCH
 
 
 def takes_remote_peers(spec: RunSpec) -> bool:

@@ -19,9 +19,10 @@ from runtime.contract import SAMPLES_DROPPED_REWARD
 from runtime.pipeline.driver import pack_queue, unpack_queue
 from runtime.rollout.scheduling import BubbleMeter, Dispatcher, LengthPredictor
 from runtime.rollout.transfer import ShmCourier
-from runtime.sample_queue import QueueClosed, SampleQueue, unpack_samples
+from runtime.rollout.wire import from_bytes
+from runtime.sample_queue import QueueClosed, SampleQueue
 from runtime.weights.service import WeightService
-from runtime.workloads.llm import WorkItem, from_bytes
+from runtime.workloads.base import DataSource, Workload
 
 
 @dataclass(eq=False)
@@ -51,16 +52,18 @@ class RolloutLedger:
     predictor and bubble meter are updated here from each result message, under ``lock``.
     """
 
-    def __init__(self, queue: SampleQueue, weights: WeightService, spec: Any):
+    def __init__(self, queue: SampleQueue, weights: WeightService, spec: Any, workload: Workload, source: DataSource):
         ranks = list(range(spec.resources.all_rollout_workers))
         self.queue = queue
         self.weights = weights
+        self.workload = workload
+        self.source = source  # unpacks the work items of a checkpoint
         self.group_size = spec.algorithm.group_size
         self.task_name = spec.task.name
         self.lock = threading.Lock()  # guards everything below + queue puts against a checkpoint snapshot
         self.slots: list[InstanceSlot] = []
         self.owner: dict[int, tuple[InstanceSlot, int]] = {}
-        self.in_flight: dict[int, WorkItem] = {}
+        self.in_flight: dict[int, Any] = {}  # issue index -> work item
         self.next_ticket = 0
         self.discarded = 0  # groups dropped because their ticket was withdrawn
         self.gen_s = 0.0
@@ -80,7 +83,7 @@ class RolloutLedger:
         self.slots.append(slot)
         self.dispatcher.restore(slot.rank)
 
-    def predicted_tokens(self, item: WorkItem) -> float:
+    def predicted_tokens(self, item: Any) -> float:
         """The group's predicted generation work: group size x predicted response length."""
         p = item.prompt
         return self.group_size * self.predictor.predict(p.prompt_id, self.task_name, len(p.text))
@@ -123,7 +126,7 @@ class RolloutLedger:
             if blob is None:  # its segment was swept: the sender died, and its work is issued again
                 self.discarded += 1
                 return
-            samples = unpack_samples(from_bytes(blob))
+            samples = self.workload.unpack_samples(from_bytes(blob))
             with self.lock:
                 self._account(slot, info)
                 accepted: set[int] = set()
@@ -169,9 +172,9 @@ class RolloutLedger:
             else:
                 self.reward_counts[key] = self.reward_counts.get(key, 0.0) + delta
 
-    def withdraw(self, slot: InstanceSlot | None = None) -> list[WorkItem]:
+    def withdraw(self, slot: InstanceSlot | None = None) -> list[Any]:
         """Take back the work held by ``slot`` (every slot's when None); caller holds the lock."""
-        items: list[WorkItem] = []
+        items: list[Any] = []
         for ticket, (holder, index) in list(self.owner.items()):
             if slot is None or holder is slot:
                 del self.owner[ticket]
@@ -201,16 +204,16 @@ class RolloutLedger:
             snap = self.queue.snapshot()
             in_flight = [it.pack() for it in self.in_flight.values()]
             counters = self.counters_state()
-        return {"queue": pack_queue(snap), "in_flight": in_flight, "reward": counters}
+        return {"queue": pack_queue(snap, self.workload), "in_flight": in_flight, "reward": counters}
 
-    def load_state(self, state: dict[str, Any], offset: int = 0) -> list[WorkItem]:
+    def load_state(self, state: dict[str, Any], offset: int = 0) -> list[Any]:
         """A checkpoint's queue and reward counters; returns its work in flight, to be issued again first.
         ``offset`` renumbers weight versions (a rollback's)."""
         with self.lock:
             self.queue.clear()
-            self.queue.restore(unpack_queue(state["queue"], offset))
+            self.queue.restore(unpack_queue(state["queue"], self.workload, offset))
             self.load_counters(state.get("reward"))
-        in_flight = [WorkItem.unpack(d) for d in state["in_flight"]]
+        in_flight = [self.source.unpack_item(d) for d in state["in_flight"]]
         for item in in_flight:
             item.min_version += offset
         return in_flight

@@ -39,7 +39,11 @@ from runtime.rollout.link import (
     shutdown_socket,
     spec_digest,
 )
-from runtime.workloads.llm import EPOCH, STOP
+from runtime.rollout.wire import EPOCH, STOP
+
+# A remote instance is the LLM workload's today: it builds that workload's engine, task and instance loop
+# (the Workload protocol's rollout_instance is shaped for a spawned local process with shared weights).
+from runtime.workloads.llm import RolloutInstance, build_engine, build_task
 
 RETRY_S = 1.0  # between looks at the endpoint file while there is no trainer to talk to
 
@@ -89,7 +93,6 @@ class RemoteInstance:
     def __init__(self, spec: Any, index: int, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
         from runtime.models import build_policy
-        from runtime.workloads.llm import build_engine, build_task
 
         r = spec.resources
         if not 0 <= index < r.remote_rollout_workers:
@@ -118,8 +121,6 @@ class RemoteInstance:
 
     def session(self, conn: Any, welcome: dict[str, Any]) -> bool:
         """Generate for one connected trainer; True when it ended the run, False when it went away."""
-        from runtime.rollout.instance import RolloutInstance
-
         self.sessions += 1
         work_q: std_queue.Queue = std_queue.Queue()
         flags = [0, int(welcome.get("epoch", 0))]  # [STOP, EPOCH], as the trainer's shared flags

@@ -227,7 +227,7 @@ def follower_process(rank: int, world: int, init: str, spec_data: dict, threads:
     from runtime.devices import dist_backend, manual_seed_all, resolve_device, set_threads
     from runtime.spec import validate_spec
     from runtime.train.trainer import Trainer
-    from runtime.workloads.llm import build_models
+    from runtime.workloads.llm.models import build_models
 
     try:
         set_threads(threads)

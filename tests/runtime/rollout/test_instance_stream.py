@@ -185,9 +185,9 @@ class InstanceHarness:
         from multiprocessing import Pipe
 
         from runtime.models import build_policy
-        from runtime.rollout.instance import RolloutInstance
         from runtime.weights.service import WeightService, WeightSubscriber
         from runtime.workloads.llm import build_engine, build_task
+        from runtime.workloads.llm.instance import RolloutInstance
         from tests.runtime.helpers import TINY, tiny_spec
 
         self.spec = tiny_spec(tmp_path, "inst", TINY, pipeline__mode="async", pipeline__transfer_window_s=0.0, **over)
@@ -212,8 +212,8 @@ class InstanceHarness:
 
     def results(self, want: int, timeout: float = 60.0) -> list[tuple[dict, list]]:
         """Result messages until ``want`` groups (kept or dropped) are back."""
+        from runtime.rollout.wire import from_bytes
         from runtime.sample_queue import unpack_samples
-        from runtime.workloads.llm import from_bytes
 
         out, got, deadline = [], 0, time.monotonic() + timeout
         while got < want:

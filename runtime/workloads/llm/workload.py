@@ -1,0 +1,89 @@
+"""``LLMWorkload``: the LLM workload behind the pipeline's :class:`~runtime.workloads.base.Workload` seam.
+
+Each method delegates to the modules of this package (and to ``runtime.models``, ``runtime.train``,
+``runtime.evaluation``, ``runtime.sample_queue``); it holds no state, so a spawned process builds
+its own from the spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.evaluation.evaluator import evaluate
+from runtime.models import build_policy, save_hf
+from runtime.sample_queue import pack_samples, unpack_samples
+from runtime.samples import Sample
+from runtime.spec import RunSpec
+from runtime.train.trainer import Trainer
+from runtime.workloads.llm.data import PromptSource
+from runtime.workloads.llm.generation import RolloutWorker
+from runtime.workloads.llm.instance import RolloutInstance, build_instance
+from runtime.workloads.llm.models import Models, build_engine, build_models, build_task
+from runtime.workloads.llm.probe import ConsistencyProbe
+
+
+class LLMWorkload:
+    """Prompts in, groups of token sequences out, scored by the task; the policy is a causal LM."""
+
+    name = "llm"
+
+    # ---- the trainer's side ----
+    def build_models(self, spec: RunSpec, device: torch.device) -> Models:
+        return build_models(spec, device)
+
+    def build_trainer(self, spec: RunSpec, models: Models, device: torch.device, group: Any = None) -> Trainer:
+        return Trainer(spec, models.policy, models.tokenizer, device, models.ref_policy, models.critic, group)
+
+    def build_task(self, spec: RunSpec) -> Any:
+        return build_task(spec)
+
+    def build_source(self, task: Any) -> PromptSource:
+        return PromptSource(task.train_prompts())
+
+    def export_policy(self, models: Models, directory: Path) -> None:
+        save_hf(models.policy, models.tokenizer, directory)
+
+    def consistency_probe(self, spec: RunSpec, device: torch.device, max_samples: int) -> ConsistencyProbe:
+        return ConsistencyProbe(spec, device, max_samples=max_samples)
+
+    # ---- generation ----
+    def inline_generator(
+        self, spec: RunSpec, models: Models, task: Any, device: torch.device, colocated: bool
+    ) -> RolloutWorker:
+        if colocated:
+            engine_model = models.policy  # zero copy: the engine reads the trainer's parameters
+        else:
+            engine_model, _ = build_policy(spec.model, device, seed=spec.seed)
+            engine_model.eval()
+        engine = build_engine(engine_model, models.tokenizer, device, spec)
+        return RolloutWorker(spec, engine, models.tokenizer, task, device)
+
+    def rollout_instance(
+        self, rank: int, spec: RunSpec, device: torch.device, weights: Any, conn: Any, flags: Any
+    ) -> RolloutInstance:
+        return build_instance(rank, spec, device, weights, conn, flags)
+
+    def pack_samples(self, samples: list[Sample]) -> dict[str, Any]:
+        return pack_samples(samples)
+
+    def unpack_samples(self, packed: dict[str, Any], version_offset: int = 0) -> list[Sample]:
+        samples = unpack_samples(packed)
+        if version_offset:
+            for s in samples:
+                s.versions = [v + version_offset for v in s.versions]
+        return samples
+
+    # ---- evaluation ----
+    def eval_engine(self, spec: RunSpec, device: torch.device, models: Models | None = None) -> Any:
+        model, tokenizer = build_policy(spec.model, device, seed=spec.seed)
+        model.eval()
+        if models is not None:  # in the trainer's process: its tokenizer, as the inline engine's
+            tokenizer = models.tokenizer
+        return build_engine(model, tokenizer, device, spec)
+
+    def evaluate(self, spec: RunSpec, engine: Any, task: Any) -> dict[str, float]:
+        r = spec.rollout
+        return evaluate(engine, engine.tokenizer, task, task.eval_prompts(), r.max_new_tokens, r.max_batch_size)
