@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -508,6 +509,11 @@ class RunSpec(_Section):
                         f"leave it at {json.dumps(_default_at(path))}",
                     }
                 )
+        for path, (acts_with, needs) in ACTS_ONLY_WITH.items():
+            if path not in taken and not acts_with(self) and _value_at(self, path) != _default_at(path):
+                errors.append(
+                    {"field": path, "message": f"acts only with {needs}: leave it at {json.dumps(_default_at(path))}"}
+                )
         if self.pipeline.scale_up_below >= self.pipeline.scale_down_above:
             errors.append(
                 {
@@ -529,15 +535,17 @@ class RunSpec(_Section):
         return self.pipeline.queue_capacity or 5 * self.samples_per_step
 
     def acts(self, path: str) -> bool:
-        """Whether the knob at ``path`` acts in this spec's mode (every knob outside MODE_ONLY does)."""
+        """Whether the knob at ``path`` acts in this spec: in its mode (MODE_ONLY) and with its algorithm and
+        task (ACTS_ONLY_WITH); every other knob always does."""
         modes = MODE_ONLY.get(path)
-        return modes is None or self.pipeline.mode in modes
+        condition = ACTS_ONLY_WITH.get(path)
+        return (modes is None or self.pipeline.mode in modes) and (condition is None or condition[0](self))
 
     def resolved(self) -> dict[str, Any]:
         """The full spec with every default filled in (JSON-compatible), less the knobs that do not act in
-        its mode (MODE_ONLY): it records what runs."""
+        it (MODE_ONLY, ACTS_ONLY_WITH): it records what runs."""
         data = self.model_dump(mode="json")
-        for path in MODE_ONLY:
+        for path in (*MODE_ONLY, *ACTS_ONLY_WITH):
             if not self.acts(path):
                 section, name = path.split(".")
                 del data[section][name]
@@ -577,6 +585,40 @@ MODE_ONLY: dict[str, tuple[str, ...]] = {
     "pipeline.rollout_listen": ("async",),
     "pipeline.rollout_reconnect_s": ("async",),
     "pipeline.remote_weight_sync": ("async",),
+}
+
+
+# Knobs that act only with some algorithms or tasks: path -> (whether it acts in a spec, what it needs).
+# Elsewhere a value other than the default is refused and the resolved spec leaves the knob out, as for
+# MODE_ONLY. A plug-in algorithm (``package.module:factory``) chooses its advantages and whether it has a
+# critic when it is built, so every algorithm knob is accepted with one.
+def _gae_or_plugin(spec: RunSpec) -> bool:
+    return spec.algorithm.name != "grpo"  # ppo estimates advantages with GAE and trains a critic
+
+
+def _group_normalised_or_plugin(spec: RunSpec) -> bool:
+    return spec.algorithm.name != "ppo"  # grpo centres (and scales) rewards within each prompt's group
+
+
+def _builtin_task(spec: RunSpec) -> bool:
+    return spec.task.name != "jsonl"  # a built-in task generates its prompts; a jsonl one reads them
+
+
+def _jsonl_task(spec: RunSpec) -> bool:
+    return spec.task.name == "jsonl"  # built-in tasks score with their own rule
+
+
+ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
+    "algorithm.gamma": (_gae_or_plugin, "algorithm.name ppo (GAE advantages)"),
+    "algorithm.lam": (_gae_or_plugin, "algorithm.name ppo (GAE advantages)"),
+    "algorithm.value_clip": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
+    "algorithm.vf_coef": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
+    "trainer.critic_lr": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
+    "algorithm.normalize_adv_std": (_group_normalised_or_plugin, "algorithm.name grpo (group-relative advantages)"),
+    "task.train_size": (_builtin_task, "a built-in task (a jsonl task trains on every row of task.path)"),
+    "task.min_len": (_builtin_task, "a built-in task"),
+    "task.max_len": (_builtin_task, "a built-in task"),
+    "task.verifier": (_jsonl_task, "task.name jsonl (a built-in task scores with its own rule)"),
 }
 
 

@@ -42,7 +42,10 @@ def spec_text(name: str, *, mode: str = "sync", steps: int = 6, interval: int = 
         "metrics": {"progress_bar": False},
     }
     for section, values in sections.items():
-        spec.setdefault(section, {}).update(values)
+        if section == "task":  # a whole task: a built-in task's sizes do not act on a jsonl one
+            spec["task"] = dict(values)
+        else:
+            spec.setdefault(section, {}).update(values)
     return yaml.safe_dump(spec)
 
 

@@ -28,7 +28,7 @@ def _spec_file(tmp_path: Path, **sections: dict) -> Path:
     data.update(name="bad-input", output_dir=str(tmp_path / "out"))
     data["pipeline"] = {**data["pipeline"], "steps": 2}
     for section, values in sections.items():
-        data[section] = values if section == "model" else {**data.get(section, {}), **values}
+        data[section] = values if section in ("model", "task") else {**data.get(section, {}), **values}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -69,7 +69,7 @@ def _bad(capsys, argv):
         (["algorithm.group_size=1"], "algorithm.group_size"),
         (["model.path=/nonexistent/model"], "model.path"),
         (["resources.device=cuda"], "cuda"),
-        (["task.name=jsonl", "task.path=/nonexistent.jsonl"], "task.path"),
+        (["task.name=jsonl", "task.path=/nonexistent.jsonl", "task.max_len=8"], "task.path"),  # max_len: built-ins only
         (["algorithm.name=nosuch"], "nosuch"),
         (["pipeline.queue_capacity=4"], "pipeline.queue_capacity"),
         (["resources.trainer_devices=64", "pipeline.prompts_per_step=2"], "resources.trainer_devices"),

@@ -204,10 +204,11 @@ def _tiny_runs(mode: str, tmp_path: Path, files: Path, reward_url: str) -> list[
     }
     from_files = derived(
         model={"builtin": None, "path": str(files / "model"), "tokenizer": "auto"},
-        task={"name": "jsonl", "path": str(files / "train.jsonl"), "eval_path": str(files / "eval.jsonl")},
         algorithm={"name": "ppo"},
         reward={"url": reward_url},
     )
+    # the whole section: a built-in task's sizes do not act on a jsonl one (runtime.spec.ACTS_ONLY_WITH)
+    from_files["task"] = {"name": "jsonl", "path": str(files / "train.jsonl"), "eval_path": str(files / "eval.jsonl")}
     return [tiny_spec(tmp_path, "builtin", **every_step), tiny_spec(tmp_path, "files", from_files, **every_step)]
 
 
@@ -231,14 +232,16 @@ def test_the_exempt_fields_are_spec_fields_each_with_a_reason():
 @pytest.mark.parametrize("mode", MODES)
 def test_every_field_a_mode_accepts_is_read_on_its_run_path(mode, recorded, tmp_path, files, reward_url):
     torch.set_num_threads(1)
-    for spec in _tiny_runs(mode, tmp_path, files, reward_url):
+    specs = _tiny_runs(mode, tmp_path, files, reward_url)
+    for spec in specs:
         run(spec)
     if mode == "async":  # the rollout processes sample: their reads are recorded too
         assert "rollout.top_p" in recorded.in_rollout_processes()
     read = recorded.everywhere()
-    accepted = {path for path in LEAVES if mode in MODE_ONLY.get(path, MODES)}
+    # what acts in one of the runs (the mode's knobs; the algorithm's and task's of that run)
+    accepted = {path for path in LEAVES for spec in specs if spec.acts(path)}
     exempt = {path for path, (modes, _) in EXEMPT.items() if mode in modes}
     assert sorted(accepted - exempt - read) == [], (
-        f"accepted in pipeline.mode {mode} but never read: refuse it there (runtime.spec.MODE_ONLY) or wire it"
+        f"accepted in pipeline.mode {mode} but never read: refuse it there (runtime.spec.MODE_ONLY, ACTS_ONLY_WITH) or wire it"
     )
     assert sorted(exempt & read) == [], f"read in pipeline.mode {mode}: take it out of EXEMPT"

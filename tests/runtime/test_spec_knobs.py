@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.__main__ import main
-from runtime.spec import MODE_ONLY, RunSpec, SpecError, validate_spec
+from runtime.spec import ACTS_ONLY_WITH, MODE_ONLY, RunSpec, SpecError, validate_spec
 
 MODES = ("sync", "async", "colocated")
 # A value other than the default for each mode-only knob.
@@ -92,6 +92,51 @@ def test_the_resolved_spec_records_only_the_knobs_that_act_and_validates_again(m
         assert (name in resolved[section]) == (mode in modes), path
     again = validate_spec(resolved)  # what the platform hands the role back
     assert again.resolved() == resolved
+
+
+# Knobs that act only with some algorithms or tasks: a value other than the default, a spec section where
+# it acts, and one where it does not.
+JSONL = {"name": "jsonl", "path": "data/train.jsonl"}
+WITH = {
+    "algorithm.gamma": (0.9, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
+    "algorithm.lam": (0.9, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
+    "algorithm.value_clip": (0.5, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
+    "algorithm.vf_coef": (1.0, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
+    "trainer.critic_lr": (3e-4, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
+    "algorithm.normalize_adv_std": (False, {"algorithm": {"name": "grpo"}}, {"algorithm": {"name": "ppo"}}),
+    "task.train_size": (128, {"task": {"name": "copy"}}, {"task": JSONL}),
+    "task.min_len": (2, {"task": {"name": "copy"}}, {"task": JSONL}),
+    "task.max_len": (4, {"task": {"name": "copy"}}, {"task": JSONL}),
+    "task.verifier": ("numeric", {"task": JSONL}, {"task": {"name": "copy"}}),
+}
+
+
+def _with(base: dict, path: str, value) -> dict:
+    data = {section: dict(fields) for section, fields in base.items()}
+    section, name = path.split(".")
+    data.setdefault(section, {})[name] = value
+    return data
+
+
+def test_every_algorithm_or_task_knob_has_a_case():
+    assert set(WITH) == set(ACTS_ONLY_WITH)
+
+
+@pytest.mark.parametrize("path", sorted(ACTS_ONLY_WITH))
+def test_an_algorithm_or_task_knob_is_taken_where_it_acts_and_refused_elsewhere(path):
+    value, acts, idle = WITH[path]
+    section, name = path.split(".")
+    spec = validate_spec(_with(acts, path, value))
+    assert getattr(getattr(spec, section), name) == value and spec.resolved()[section][name] == value
+    assert _errors(_with(idle, path, value))[path].startswith(f"acts only with {ACTS_ONLY_WITH[path][1]}: leave it at")
+    resolved = validate_spec(idle).resolved()  # at its default: accepted, and left out of the record
+    assert name not in resolved[section]
+    assert validate_spec(resolved).resolved() == resolved
+
+
+def test_a_plug_in_algorithm_takes_every_algorithm_knob():
+    spec = validate_spec({"algorithm": {"name": "my_pkg.algos:make", "gamma": 0.9, "normalize_adv_std": False}})
+    assert spec.resolved()["algorithm"]["gamma"] == 0.9 and spec.resolved()["algorithm"]["normalize_adv_std"] is False
 
 
 def test_a_run_asked_for_vllm_is_refused_until_the_engine_is_wired():

@@ -73,7 +73,14 @@ def test_numbers_of_the_right_kind_still_load_including_yaml_exponents_read_as_t
 def test_overrides_still_coerce_from_text_as_yaml_scalars():
     spec = load_spec(
         "name: x\n",
-        ["trainer.lr=0.001", "trainer.critic_lr=1e-5", "pipeline.steps=3", "model.reference=false", "seed=-2"],
+        [
+            "algorithm.name=ppo",
+            "trainer.lr=0.001",
+            "trainer.critic_lr=1e-5",
+            "pipeline.steps=3",
+            "model.reference=false",
+            "seed=-2",
+        ],
     )
 
     assert (spec.trainer.lr, spec.trainer.critic_lr, spec.pipeline.steps, spec.model.reference, spec.seed) == (
