@@ -3,10 +3,10 @@ forwarding proxy that can lose requests and replies."""
 
 from __future__ import annotations
 
-import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.http_stub import QuietHandler, StubServer, answer
 
 
 def post(client, endpoint: str, body):
@@ -51,15 +51,15 @@ class Proxy:
         proxy = self
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802 (http.server's naming)
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.path in proxy.lose:
                     proxy.lost += 1
-                    return self._answer(503, b'{"detail": "lost"}')
+                    return answer(self, 503, b'{"detail": "lost"}')
                 if proxy.mode == "down":
                     proxy.refused += 1
-                    return self._answer(503, b'{"detail": "down"}')
+                    return answer(self, 503, b'{"detail": "down"}')
                 request = urllib.request.Request(
                     target + self.path,
                     data=body,
@@ -73,25 +73,11 @@ class Proxy:
                     code, data = exc.code, exc.read()
                 proxy.forwarded += 1
                 if proxy.mode == "lose_replies":
-                    return self._answer(502, b'{"detail": "reply lost"}')
-                self._answer(code, data)
+                    return answer(self, 502, b'{"detail": "reply lost"}')
+                answer(self, code, data)
 
-            def _answer(self, code, data):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
+        self.stub = StubServer(Handler)
+        self.url = self.stub.url
 
     def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        self.stub.stop()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -25,6 +23,7 @@ from runtime.contract import (
 )
 from runtime.managed.reporter import HttpReporter
 from runtime.metrics import ReporterError
+from tests.http_stub import QuietHandler, StubServer, answer
 
 # --- retention ------------------------------------------------------------------------------------------
 
@@ -87,26 +86,16 @@ class Platform:
         self.problems: list[dict] = []
         platform = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802 (http.server's naming)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path.endswith("/metrics"):
                     platform.bodies.append(body)
                     platform.problems += read_batch(body)[1]
-                data = json.dumps({"commands": []}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, 200, {"commands": []})
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
+        self.stub = StubServer(Handler)
+        self.url = self.stub.url
 
     def points(self) -> list[dict]:
         return [p for body in self.bodies for p in body["points"]]
@@ -115,9 +104,7 @@ class Platform:
         return [e for body in self.bodies for e in body["events"]]
 
     def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        self.stub.stop()
 
 
 @pytest.fixture

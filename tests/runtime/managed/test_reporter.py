@@ -6,13 +6,13 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from runtime.contract import SPOOL_FILE
 from runtime.managed.reporter import HttpReporter
 from runtime.metrics import ReporterError
+from tests.http_stub import QuietHandler, StubServer, answer
 
 TOKEN = "run-token-123"
 
@@ -34,14 +34,14 @@ class Platform:
         self.lock = threading.Lock()
         platform = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802 (http.server's naming)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._answer(401, {"error": "bad token"})
+                    return answer(self, 401, {"error": "bad token"})
                 with platform.lock:
                     if platform.mode == "503":
-                        return self._answer(503, {"error": "maintenance"})
+                        return answer(self, 503, {"error": "maintenance"})
                     platform.requests.append(body)
                     for p in body["points"]:
                         for name, value in p["metrics"].items():
@@ -53,34 +53,14 @@ class Platform:
                         platform.events.setdefault((body["run"], body["attempt"], e["seq"]), e)
                     if platform.ack_lost_left > 0:
                         platform.ack_lost_left -= 1
-                        return self._answer(500, {"error": "reply lost"})
-                self._answer(200, platform.reply)
+                        return answer(self, 500, {"error": "reply lost"})
+                answer(self, 200, platform.reply)
 
-            def _answer(self, code, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        self.stub = StubServer(Handler, port)
+        self.port, self.url = self.stub.port, self.stub.url
 
     def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        self.stub.stop()
 
     def received_steps(self) -> list[int]:
         return [p["step"] for body in self.requests for p in body["points"]]
