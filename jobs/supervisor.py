@@ -73,6 +73,7 @@ from rlplatform import shutdown
 from rlplatform.agent import AgentConfig, on_host_ready
 from rlplatform.models import Host
 from runtime.contract import (
+    CHECKPOINT_DIR,
     ENV_ATTEMPT,
     ENV_HEARTBEAT_S,
     ENV_HOST_ADDRESS,
@@ -86,6 +87,7 @@ from runtime.contract import (
     ENV_RUN_TOKEN,
     EVALUATOR_ROLE,
     EXIT_BAD_INPUT,
+    POLICY_DIR,
     TRAINER_ROLE,
 )
 
@@ -146,9 +148,9 @@ def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
         section, _, name = dotted.partition(".")
         spec.setdefault(section, {})[name] = value
     fork_from = checkpoints.checkpoint_dir_for_path(run.parent_checkpoint) if run.parent_checkpoint else None
-    if fork_from is not None and not (Path(role.workdir) / "checkpoints").exists():
+    if fork_from is not None and not (Path(role.workdir) / CHECKPOINT_DIR).exists():
         # A fork starts from the parent checkpoint's policy (its HF export), under its own (edited) spec.
-        spec["model"] = {**spec.get("model", {}), "path": str(fork_from / "policy")}
+        spec["model"] = {**spec.get("model", {}), "path": str(fork_from / POLICY_DIR)}
     return spec
 
 

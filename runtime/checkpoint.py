@@ -43,14 +43,14 @@ import numpy as np
 import torch
 
 from runtime import sample_queue as queue_format
-from runtime.contract import best_checkpoint, retained
+from runtime.contract import POLICY_DIR, best_checkpoint, retained
 from runtime.samples import Prompt, Sample
 
 FORMAT = "tandem-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = "state"
-HF_DIR = "policy"
+HF_DIR = POLICY_DIR  # the Hugging Face export inside a checkpoint (the platform serves it to forks)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TMP_PREFIX = ".tmp-"

@@ -109,6 +109,27 @@ def undelivered(directory: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh.read(size - offset).splitlines() if line.strip()]
 
 
+# --- how a run ends, what it leaves, what the platform acts on -----------------------------------------
+
+# trainer-0's last stdout line is {"outcome": <one of these>, "steps": n, "checkpoint": path}; the platform
+# completes, cancels or requeues the run by it.
+OUTCOME_COMPLETED = "completed"
+OUTCOME_STOPPED = "stopped"
+OUTCOME_PREEMPTED = "preempted"
+OUTCOME_CANCELLED = "cancelled"
+OUTCOME_OF_COMMAND = {"stop": OUTCOME_STOPPED, "preempt": OUTCOME_PREEMPTED, "cancel": OUTCOME_CANCELLED}
+
+# Events the platform acts on (any other kind is only stored and streamed).
+EVENT_CHECKPOINT = "checkpoint"  # payload step, path, weight_version, size, metrics: a checkpoint record
+EVENT_RESUME = "resume"  # payload step: a restarted attempt's points after it replace the earlier attempt's
+EVENT_ROLLBACK = "rollback"  # payload set_aside: checkpoints moved under CHECKPOINT_DIR/REWOUND_DIR
+
+# The checkpoints of a run: <run dir>/CHECKPOINT_DIR/step-%08d/, its Hugging Face export in POLICY_DIR.
+CHECKPOINT_DIR = "checkpoints"
+REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: the checkpoints of a timeline a rollback abandoned
+POLICY_DIR = "policy"
+
+
 # --- metric names --------------------------------------------------------------------------------------
 # Every key a runtime component reports is one of METRICS (a name and its one-line meaning); the platform
 # charts and summarises them by these names. Use the constants, not string literals.

@@ -27,7 +27,16 @@ from jobs import commands, confinement, series_store, sql, stream
 from jobs.handler import IllegalTransition, InvalidInput, transition
 from jobs.models import CheckpointRecord, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
-from runtime.contract import INT_RANGE, MAX_ROLE_NAME, MAX_STEP, TRAINER_ROLE, read_batch
+from runtime.contract import (
+    EVENT_CHECKPOINT,
+    EVENT_RESUME,
+    EVENT_ROLLBACK,
+    INT_RANGE,
+    MAX_ROLE_NAME,
+    MAX_STEP,
+    TRAINER_ROLE,
+    read_batch,
+)
 
 # A batch's limits are the contract's (runtime.contract.IngestBatch); TRAINER_ROLE is the one role whose
 # heartbeats take commands.
@@ -150,10 +159,10 @@ def store_points(token: RunToken, points: dict[int, tuple[float, dict[str, Any]]
 def _check_checkpoint_paths(token: RunToken, kind: Any, payload: dict[str, Any], where: str, errors: _Errors) -> None:
     """The checkpoint paths an event would record (``checkpoint``: path; ``rollback``: set_aside) must lie
     inside the run's own directory (jobs.confinement): a refused one fails the whole batch."""
-    if kind == "checkpoint" and isinstance(payload.get("path"), str) and payload["path"]:
+    if kind == EVENT_CHECKPOINT and isinstance(payload.get("path"), str) and payload["path"]:
         if confinement.inside_run(token.run_id, payload["path"][:500]) is None:  # as _checkpoint_from_event stores it
             errors.add(f"{where}.path", confinement.OUTSIDE_RUN)
-    moved = payload.get("set_aside") if kind == "rollback" else None
+    moved = payload.get("set_aside") if kind == EVENT_ROLLBACK else None
     for i, new_path in enumerate(moved if isinstance(moved, list) else []):
         if isinstance(new_path, str) and new_path and confinement.inside_run(token.run_id, new_path) is None:
             errors.add(f"{where}.set_aside[{i}]", confinement.OUTSIDE_RUN)
@@ -163,7 +172,7 @@ def _checkpoint_from_event(token: RunToken, event: dict[str, Any]) -> Checkpoint
     """The runtime's ``checkpoint`` event ({step, path, ...}) also registers the checkpoint."""
     payload = event["payload"]
     step, path = payload.get("step"), payload.get("path")
-    if event["kind"] != "checkpoint" or not _is_int(step) or step < 0 or not isinstance(path, str) or not path:
+    if event["kind"] != EVENT_CHECKPOINT or not _is_int(step) or step < 0 or not isinstance(path, str) or not path:
         return None
     version = payload.get("weight_version")
     size = payload.get("size")
@@ -375,7 +384,7 @@ def _follow_set_aside_checkpoints(token: RunToken, events: list[dict[str, Any]])
     """A rollback moves the abandoned timeline's checkpoints to ``checkpoints/rewound/<n>-to-<step>/``
     (payload ``set_aside``: the new paths): their records follow, so browsing and downloads still work."""
     for event in events:
-        moved = event["payload"].get("set_aside") if event["kind"] == "rollback" else None
+        moved = event["payload"].get("set_aside") if event["kind"] == EVENT_ROLLBACK else None
         if not isinstance(moved, list):
             continue
         for new_path in moved:
@@ -390,7 +399,7 @@ def _rewind_earlier_attempts(token: RunToken, events: list[dict[str, Any]]) -> N
     hidden by default), since the steps after S are being run again."""
     for event in events:
         step = event["payload"].get("step")
-        if event["kind"] == "resume" and _is_int(step) and step >= 0 and token.attempt > 0:
+        if event["kind"] == EVENT_RESUME and _is_int(step) and step >= 0 and token.attempt > 0:
             rewound = series_store.rewind(token.run_id, step, before_attempt=token.attempt)
             if rewound:
                 stream.append(token.run_id, "rewound", {"after_step": step})

@@ -36,7 +36,7 @@ from jobs.models import Experiment, Run, RunRole
 from jobs.models import RoleState as R
 from jobs.states import IllegalTransition, RunState
 from rlplatform import locks
-from runtime.contract import TRAINER_ROLE
+from runtime.contract import OUTCOME_COMPLETED, TRAINER_ROLE
 
 IGNORED = "ignored"  # what role_exited and host_lost report when the attempt's end was handled already
 
@@ -76,7 +76,7 @@ def role_exited(role_id: int, attempt: int, exit_code: int | None, log_tail: str
             "role_exited",
             {"role": role.name, "attempt": attempt, "exit_code": exit_code, "message": role.message},
         )
-        end = Exit(exit_code, outcome=last_json_line(log_tail).get("outcome", "completed"))
+        end = Exit(exit_code, outcome=last_json_line(log_tail).get("outcome", OUTCOME_COMPLETED))
         others = _other_trainer_roles(role, run) if is_trainer(role.name) else []
         decision = _decide_and_apply(role, run, others, end, what=error or why or f"exit code {exit_code}", error=error)
         role.refresh_from_db()  # a restart may have queued its next attempt through another instance of the row

@@ -23,7 +23,7 @@ from enum import Enum
 
 from jobs.lifecycle.names import connects_to_trainer, is_trainer
 from jobs.states import ACTIVE_STATES, RunState
-from runtime.contract import EXIT_BAD_INPUT, TRAINER_ROLE
+from runtime.contract import EXIT_BAD_INPUT, OUTCOME_CANCELLED, OUTCOME_COMPLETED, OUTCOME_PREEMPTED, TRAINER_ROLE
 
 DEFAULT_RESTARTS = 3  # resources.max_restarts and resources.rollout_restarts when the spec names none
 
@@ -34,9 +34,9 @@ class Decision(Enum):
     ENDED = "ended"  # the run is no longer active
     SUPERSEDED = "superseded"  # left from an earlier admission
     RELEASED = "done"  # trainer-0 ended the run and released this role
-    COMPLETE = "completed"
-    CANCEL = "cancelled"
-    REQUEUE_PREEMPTED = "preempted"  # trainer-0 checkpointed and exited for a higher-priority run
+    COMPLETE = OUTCOME_COMPLETED
+    CANCEL = OUTCOME_CANCELLED
+    REQUEUE_PREEMPTED = OUTCOME_PREEMPTED  # trainer-0 checkpointed and exited for a higher-priority run
     REQUEUE_HOST_LOST = "requeued"  # its host is gone: resume from the last checkpoint elsewhere
     REQUEUE_ELSEWHERE = "requeued, without the host"  # it kept failing on its host
     FAIL_BAD_INPUT = "failed"  # exit 2: a restart cannot help
@@ -87,7 +87,7 @@ class Exit:
     """How the attempt ended."""
 
     code: int | None  # None: no exit code (the process vanished, could not start, hung)
-    outcome: str = "completed"  # trainer-0's final ``{"outcome": ...}`` line, read on exit 0
+    outcome: str = OUTCOME_COMPLETED  # trainer-0's final ``{"outcome": ...}`` line, read on exit 0
     host_lost: bool = False  # its host stopped supervising it (the role watchdog)
 
 
@@ -123,9 +123,9 @@ def decide(role: RoleFacts, run: RunFacts, exit: Exit) -> Decision:
     if exit.code == 0:
         if role.name != TRAINER_ROLE:
             return Decision.RELEASED
-        if exit.outcome == "preempted":
+        if exit.outcome == OUTCOME_PREEMPTED:
             return Decision.REQUEUE_PREEMPTED
-        if exit.outcome == "cancelled":
+        if exit.outcome == OUTCOME_CANCELLED:
             return Decision.CANCEL
         return Decision.COMPLETE
     if exit.code == EXIT_BAD_INPUT:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.contract import (
+    CHECKPOINT_DIR,
     COMMANDS_FILE,
     ENDPOINT_FILE,
     ENV_ATTEMPT,
@@ -44,6 +45,8 @@ from runtime.contract import (
     ENV_RUN_TOKEN,
     HEARTBEAT_PATH,
     MAX_ROLE_NAME,
+    OUTCOME_COMPLETED,
+    OUTCOME_PREEMPTED,
     ROLE_KINDS,
     SPOOL_DIR,
     SPOOL_FILE,
@@ -167,7 +170,6 @@ def load_role_spec(path: Path, workdir: Path) -> RunSpec:
 def find_resume(workdir: Path) -> Path | None:
     """The newest checkpoint under ``<workdir>/checkpoints`` that verifies (an older one if it is damaged)."""
     from runtime.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
-    from runtime.pipeline.driver import CHECKPOINT_DIR
 
     for info in reversed(CheckpointManager(workdir / CHECKPOINT_DIR).list()):
         try:
@@ -381,7 +383,7 @@ class TrainerRole:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
         reporters = None
         steps: int | None = None
-        outcome = "completed"
+        outcome = OUTCOME_COMPLETED
         try:
             drain_older_spools(self.env, self.workdir, self._on_reply)
             spool = spool_dir(self.workdir, self.env.attempt)
@@ -412,7 +414,7 @@ class TrainerRole:
             )
             steps = int(result["steps"])
             # "outcome" arrives with the controllable pipeline; a pipeline without it only runs to completion.
-            outcome = str(result.get("outcome", "completed"))
+            outcome = str(result.get("outcome", OUTCOME_COMPLETED))
             self.final_status = "finished"
         except BaseException:
             self.final_status = "stopping" if self.terminating else "failed"
@@ -421,7 +423,9 @@ class TrainerRole:
             self.heartbeat.stop()
             if reporters is not None:
                 reporters.close()  # run() closes them too; closing twice is harmless
-            over = steps is not None and outcome != "preempted"  # a preempted run is requeued: another attempt follows
+            over = (
+                steps is not None and outcome != OUTCOME_PREEMPTED
+            )  # a preempted run is requeued: another attempt follows
             self.desk.end(f"the run ended ({outcome}) at step {steps} before applying this command" if over else None)
             self.heartbeat.beat()  # the final status
             owed = self.acks.close(5.0 if self.terminating else ACK_DRAIN_S)

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from runtime import metrics as M
-from runtime.contract import CONSISTENCY_KL, QUEUE_DEPTH, QUEUE_WATERMARK, ROLLOUT_ACTIVE
+from runtime.contract import CONSISTENCY_KL, OUTCOME_CANCELLED, QUEUE_DEPTH, QUEUE_WATERMARK, ROLLOUT_ACTIVE
 from runtime.evaluation.evaluator import BackgroundEvaluator
 from runtime.evaluation.remote import RemoteEvaluator
 from runtime.pipeline.driver import PipelineError, RunContext
@@ -94,7 +94,7 @@ class AsyncMode:
                 step = nxt
             ended = True
         finally:
-            self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != "cancelled", ended=ended)
+            self.shutdown(receiver, wait_eval=step == ctx.final_step and ctx.ending != OUTCOME_CANCELLED, ended=ended)
         self._trace_leftover()
         return ctx.finish(step)
 

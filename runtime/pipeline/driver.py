@@ -53,8 +53,16 @@ import yaml
 from runtime import metrics as M
 from runtime.contract import (
     BUBBLE_TRAINER,
+    CHECKPOINT_DIR,
     EVAL_ACCURACY,
+    EVENT_CHECKPOINT,
+    EVENT_RESUME,
+    EVENT_ROLLBACK,
     GEN_TOKENS_PER_S,
+    OUTCOME_CANCELLED,
+    OUTCOME_COMPLETED,
+    OUTCOME_OF_COMMAND,
+    REWOUND_DIR,
     SAMPLES_DROPPED_STALE,
     SAMPLES_PER_S,
     TIME_GENERATE,
@@ -72,10 +80,7 @@ from runtime.workloads.base import Workload, workload_for
 if TYPE_CHECKING:
     from runtime.checkpoint import CheckpointManager
 
-CHECKPOINT_DIR = "checkpoints"
-REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: checkpoints of a timeline a rollback abandoned
 RESOLVED_SPEC = "resolved_spec.yaml"
-OUTCOMES = {"stop": "stopped", "preempt": "preempted", "cancel": "cancelled"}
 PAUSE_POLL_S = 0.5  # while paused: how often rollout processes are supervised between directives
 
 
@@ -183,7 +188,7 @@ class RunContext:
         self.reporters = reporters if reporters is not None else self._build_reporters(self.resume_state)
         self._init_trace_and_marks(resume_path)
         if self.resume_state is not None:
-            self.reporters.event("resume", {"step": self.start_step})
+            self.reporters.event(EVENT_RESUME, {"step": self.start_step})
 
     # ---- building the run --------------------------------------------------
     def _init_control(self, stop: Any, control: Control | None) -> None:
@@ -191,7 +196,7 @@ class RunContext:
         self.stop = stop
         self.control = control
         self.final_step = self.spec.pipeline.steps  # lowered when ``stop`` or a stop directive ends the run early
-        self.outcome = "completed"
+        self.outcome = OUTCOME_COMPLETED
         self.paused = False
         self.ending: str | None = None  # "stopped" | "preempted" | "cancelled" once such a directive is taken
         self.stop_acks: list[Directive] = []  # stop / preempt, acknowledged once the final checkpoint is written
@@ -318,7 +323,7 @@ class RunContext:
         self.dropped_marks[step] = len(self.trace["dropped"])
         info = checkpoint_info(path)  # its manifest: what the platform's checkpoint browser shows
         self.reporters.event(
-            "checkpoint",
+            EVENT_CHECKPOINT,
             {
                 "step": step,
                 "path": str(path),
@@ -393,7 +398,7 @@ class RunContext:
         checkpoint rolled back to), or None when the run ends here."""
         step = self._apply_directives(step, mode)
         while True:
-            if self.ending == "cancelled":
+            if self.ending == OUTCOME_CANCELLED:
                 return None
             last = self.should_stop(step)
             if self.eval_due(step) and self.eval_step != step:
@@ -434,14 +439,14 @@ class RunContext:
             for pending in self.stop_acks:
                 done(pending, False, "cancelled before the final checkpoint")
             self.stop_acks = []
-            self.ending = self.outcome = "cancelled"
+            self.ending = self.outcome = OUTCOME_CANCELLED
             self.paused = False
             done(d, True, f"cancelled at step {step}")
-        elif self.ending == "cancelled":
+        elif self.ending == OUTCOME_CANCELLED:
             done(d, False, "the run is ending (cancelled)")
         elif d.kind in ("stop", "preempt"):
             if self.ending is None:  # the first one decides the outcome; a second is acknowledged with it
-                self.ending = self.outcome = OUTCOMES[d.kind]
+                self.ending = self.outcome = OUTCOME_OF_COMMAND[d.kind]
                 self.final_step = step
                 self.paused = False
             self.stop_acks.append(d)
@@ -556,7 +561,7 @@ class RunContext:
         payload: dict[str, Any] = {"step": target, "path": str(path), "weight_version": new_version}
         if aside:
             payload["set_aside"] = [str(p) for p in aside]
-        self.reporters.event("rollback", payload)
+        self.reporters.event(EVENT_ROLLBACK, payload)
         return target, f"restored step {target}"
 
     def _set_aside_after(self, step: int) -> list[Path]:
