@@ -31,7 +31,6 @@ so small runs cannot starve a large gang.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import transaction
@@ -46,14 +45,6 @@ from rlplatform import locks
 from rlplatform.models import Device, Host, HostStatus, Quota, ResourceGroup
 
 WAITING_FOR_ADMISSION = "waiting for admission"
-
-
-@dataclass
-class _Usage:
-    devices: int = 0
-    runs: int = 0
-    rollout_workers: int = 0
-    unaccrued_seconds: float = 0.0
 
 
 def admit_group(group_id: int, now: datetime.datetime | None = None) -> list[int]:
@@ -92,7 +83,7 @@ def _host_names(host_ids: list[int]) -> str:
     return ", ".join(names) or "excluded hosts"
 
 
-def _quota_reason(quota: Quota, usage: _Usage, need: int, workers: int) -> str | None:
+def _quota_reason(quota: Quota, usage: QuotaUsage, need: int, workers: int) -> str | None:
     if quota.device_hour_budget is not None:
         used_h = (quota.device_seconds_used + usage.unaccrued_seconds) / 3600.0
         if used_h >= quota.device_hour_budget:

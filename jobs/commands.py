@@ -42,7 +42,7 @@ from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, Co
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import audit
 from runtime.contract import LIVE_PARAMS, live_param_problems
-from runtime.spec import SpecError, validate_spec
+from runtime.spec import SpecError, resolved_value, validate_spec
 
 __all__ = [
     "RESULT_STATES",
@@ -161,23 +161,17 @@ def _rollback_args(run: Run, args: dict[str, Any]) -> dict[str, Any]:
 def live_params(run: Run) -> tuple[str, ...]:
     """The live parameters (runtime.contract.LIVE_PARAMS) that act in the run's mode: those its resolved spec
     records (it leaves out a knob its mode ignores, such as pipeline.max_policy_lag outside async)."""
-    return tuple(key for key in LIVE_PARAMS if _get(run.resolved_spec, key) is not None)
+    return tuple(key for key in LIVE_PARAMS if resolved_value(run.resolved_spec, key) is not None)
 
 
 def effective_params(run: Run) -> dict[str, Any]:
     """The live parameters now in force: the resolved spec's, overlaid by every config version not failed
     (a stored value of a parameter that does not act in the run's mode is never handed to the runtime)."""
     keys = live_params(run)
-    values = {key: _get(run.resolved_spec, key) for key in keys}
+    values = {key: resolved_value(run.resolved_spec, key) for key in keys}
     for version in ConfigVersion.objects.filter(run=run).exclude(command__state=CommandState.FAILED):
         values.update({k: v for k, v in version.params.items() if k in keys})
     return values
-
-
-def _get(data: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = data.get(part, {}) if isinstance(data, dict) else {}
-    return data if data != {} else None
 
 
 def _validated_params(run: Run, args: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +194,7 @@ def _validated_params(run: Run, args: dict[str, Any]) -> dict[str, Any]:
         ) from None
     # Store the validated values ("1e-5" given as text is stored as the number the runtime will use).
     resolved = spec.resolved()
-    return {key: _get(resolved, key) for key in params}
+    return {key: resolved_value(resolved, key) for key in params}
 
 
 def _create_cancel(actor, user, run: Run, args: dict[str, Any]) -> Command:

@@ -14,6 +14,7 @@ from typing import Any
 
 from jobs import commands
 from jobs.models import CommandState, ConfigVersion, Run
+from runtime.spec import resolved_value
 
 INITIAL = "initial"  # the state of entry 0
 
@@ -22,8 +23,7 @@ def config_history(run: Run) -> list[dict[str, Any]]:
     """``[{number, params, effective, diff: {param: {before, after}}, state, ...}]``, oldest first.
 
     Entries of versions also carry ``created_by`` (a username or None) and ``created_at``."""
-    # (commands._get reads a dotted parameter the way commands.effective_params does)
-    base = {key: commands._get(run.resolved_spec, key) for key in commands.live_params(run)}
+    base = {key: resolved_value(run.resolved_spec, key) for key in commands.live_params(run)}
     current = dict(base)
     history = [{"number": 0, "params": {}, "effective": dict(base), "diff": {}, "state": INITIAL}]
     versions = ConfigVersion.objects.filter(run=run).select_related("command", "created_by").order_by("number")

@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from jobs.models import Run
 from rlplatform.models import Team
-from runtime.spec import RunSpec
+from runtime.spec import RunSpec, resolved_value
 
 __all__ = [
     "OUTSIDE_RUN",
@@ -112,12 +112,6 @@ def team_may_read(team: Team, value: Any, *, base: Path | None = None) -> bool:
     return _may_read(team, _resolve(base or Path(settings.BASE_DIR), value))
 
 
-def _get(data: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
-
-
 def plugin_allowed(module: str) -> bool:
     """Whether ``module`` is one of, or inside, the packages in ``settings.TANDEM_ALGORITHM_PLUGINS``."""
     prefixes = (p.strip().rstrip(".") for p in settings.TANDEM_ALGORITHM_PLUGINS)
@@ -126,7 +120,7 @@ def plugin_allowed(module: str) -> bool:
 
 
 def _refused_algorithm(resolved_spec: dict[str, Any]) -> list[dict[str, str]]:
-    name = _get(resolved_spec, "algorithm.name")
+    name = resolved_value(resolved_spec, "algorithm.name")
     if not isinstance(name, str) or ":" not in name:  # a registered algorithm: nothing is imported
         return []
     module = name.partition(":")[0]
@@ -147,7 +141,8 @@ def refused_spec_paths(team: Team, resolved_spec: dict[str, Any], parent_checkpo
     errors += [
         {"field": field, "message": OUTSIDE_TEAM}
         for field in SPEC_PATH_FIELDS
-        if _get(resolved_spec, field) is not None and not team_may_read(team, _get(resolved_spec, field))
+        if resolved_value(resolved_spec, field) is not None
+        and not team_may_read(team, resolved_value(resolved_spec, field))
     ]
     if parent_checkpoint and not team_may_read(team, parent_checkpoint, base=checkpoint_root()):
         errors.append({"field": "parent_checkpoint", "message": OUTSIDE_TEAM})

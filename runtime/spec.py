@@ -622,6 +622,15 @@ ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
 }
 
 
+def resolved_value(data: dict[str, Any], path: str) -> Any:
+    """The field at dotted ``path`` of a resolved spec (a plain dict, as the platform stores it); None when
+    the spec does not record it (a knob that does not act in that run is left out)."""
+    value: Any = data
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def _value_at(spec: BaseModel, path: str) -> Any:
     section, name = path.split(".")
     return getattr(getattr(spec, section), name)
