@@ -18,8 +18,9 @@ What it does:
    experiment: statuses, p50/p99 of submits and cancels, stream entries per
    operation.
 
-Target (issue 13): cancel cost flat in queue length (one stream entry per cancel;
-was one per queued run behind it: 0.16 s with 10 queued, 1.2 s with 400).
+Target (issue 13): cancel cost flat in queue length: one stream entry per cancel
+(was one per queued run behind it: 0.16 s with 10 queued, 1.2 s with 400), and
+no write per run behind (positions derived on read, jobs.queue_order).
 Prints human-readable figures; the LAST line is one JSON object of them all.
 """
 
@@ -69,17 +70,14 @@ def _last_entry() -> int:
 
 
 def _queued(experiment) -> list[int]:
-    from jobs.models import Run
+    """The experiment's queued run ids in queue order."""
+    from jobs import queue_order
 
-    return list(
-        Run.objects.filter(experiment=experiment, state="QUEUED")
-        .order_by("queue_position", "pk")
-        .values_list("pk", flat=True)
-    )
+    return list(queue_order.queued_in_order(experiment.group_id).values_list("pk", flat=True))
 
 
 def fill_queue(experiment, length: int) -> None:
-    """Top the experiment's queue up to ``length`` runs (bulk insert, then one admission pass sets positions)."""
+    """Top the experiment's queue up to ``length`` runs (bulk insert, then one admission pass sets reasons)."""
     from jobs import admission
 
     missing = length - len(_queued(experiment))

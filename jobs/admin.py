@@ -59,7 +59,7 @@ class AllocationInline(admin.TabularInline):
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ["pk", "name", "experiment", "state", "priority", "queue_position", "submitted_at"]
+    list_display = ["pk", "name", "experiment", "state", "priority", "reason", "submitted_at"]
     list_filter = ["state", "experiment__team", "experiment__group"]
     search_fields = ["name", "submission_id"]
     readonly_fields = [f.name for f in Run._meta.fields]

@@ -5,23 +5,25 @@ so concurrent submits and releases are serialised and can never over-allocate
 a device or exceed a quota. The partial unique constraint on active
 allocations per device is the database's own backstop.
 
-Order: effective priority descending — the run's own priority capped at its
-quota's (a submitter may lower a run's priority, never lift it above what the
-platform administrators granted the quota), else the quota's — then
-submission time, then id. A run is admitted only when its quota (budget,
+Order: jobs.queue_order's — effective priority descending (the run's own
+priority capped at its quota's: a submitter may lower a run's priority, never
+lift it above what the platform administrators granted the quota; else the
+quota's), then submission time, then id. A run is admitted only when its quota (budget,
 concurrent runs, devices, rollout workers) and the group's free healthy
 devices on online hosts allow all of its devices at once; devices are chosen
 by jobs.placement. Decisions are made in memory, then written in bulk under
 the same locks: one conditional UPDATE moves the admitted runs from QUEUED,
-one INSERT creates their allocations, and one UPDATE stores the reason and
-1-based position of every run left queued (only where they changed; the two
-UPDATEs are jobs.sql's ``mark_admitted`` and ``write_queue_state``). So a
-pass over a thousand queued runs is a handful of queries, whether it admits
-none of them or all.
+one INSERT creates their allocations, and one UPDATE stores the reason of
+every run left queued whose reason changed (the two UPDATEs are jobs.sql's
+``mark_admitted`` and ``write_reasons``). Queue positions are not stored
+(jobs.queue_order derives them when read), and the reason of a run held back
+names no other run, so a cancel or an admission at the head of the queue
+rewrites nothing for the runs behind it. A pass over a thousand queued runs
+is a handful of queries, whether it admits none of them or all.
 
-The pass returns the ids of the runs it admitted; its callers (jobs.handler,
-jobs.tasks) request their launch (jobs.lifecycle.dispatch), so admission
-knows nothing of launching.
+The pass returns what it changed (:class:`Pass`); its callers (jobs.handler,
+jobs.tasks) request the admitted runs' launch (jobs.lifecycle.dispatch) and
+tell the live UI (jobs.stream), so admission knows nothing of either.
 
 Unless ``TANDEM_ADMISSION_BACKFILL`` is on, the first run that fits its quota
 but finds too few free devices holds back every run after it in the group,
@@ -31,15 +33,14 @@ so small runs cannot starve a large gang.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
-from django.db.models.functions import Coalesce, Least
 from django.utils import timezone
 
-from jobs import placement, sql
-from jobs.models import Allocation, Run
+from jobs import placement, queue_order, sql
+from jobs.models import Allocation
 from jobs.quota_usage import QuotaUsage, usage_by_quota
 from rlplatform import locks
 from rlplatform.models import Device, Host, HostStatus, Quota, ResourceGroup
@@ -47,9 +48,23 @@ from rlplatform.models import Device, Host, HostStatus, Quota, ResourceGroup
 WAITING_FOR_ADMISSION = "waiting for admission"
 
 
-def admit_group(group_id: int, now: datetime.datetime | None = None) -> list[int]:
-    """Run one admission pass over a group in its own transaction; return the admitted run ids (the caller
-    requests their launch)."""
+@dataclass(frozen=True)
+class Pass:
+    """What one admission pass changed."""
+
+    admitted: list[int] = field(default_factory=list)  # run ids moved to ADMITTED, in admission order
+    new_reasons: list[int] = field(default_factory=list)  # runs left QUEUED whose reason changed
+    queued: int = 0  # runs of the group still QUEUED after the pass
+
+    @property
+    def moved_queue(self) -> bool:
+        """Whether runs left the queue or a queued run's reason changed (the runs behind moved up)."""
+        return bool(self.admitted or self.new_reasons)
+
+
+def admit_group(group_id: int, now: datetime.datetime | None = None) -> Pass:
+    """Run one admission pass over a group in its own transaction (the caller requests the launch of the
+    runs it admitted)."""
     with transaction.atomic():
         group = locks.lock_group(group_id)
         quotas = locks.lock_group_quotas(group_id)
@@ -97,32 +112,21 @@ def _quota_reason(quota: Quota, usage: QuotaUsage, need: int, workers: int) -> s
     return None
 
 
-def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.datetime) -> list[int]:
-    """The admission pass proper; returns the admitted run ids, in admission order. Caller holds the locks
-    of ``group`` and ``quotas`` (all of the group's), and requests the admitted runs' launch."""
-    queued = (
-        Run.objects.queued()
-        .filter(experiment__group_id=group.pk)
-        .annotate(
-            effective_priority=Least(
-                Coalesce("priority", "experiment__quota__priority"), F("experiment__quota__priority")
-            )
-        )
-        .order_by(F("effective_priority").desc(), "submitted_at", "pk")
-        .values_list(
-            "pk",
-            "experiment__quota_id",
-            "devices_requested",
-            "rollout_workers",
-            "reason",
-            "queue_position",
-            "excluded_hosts",
-            "resolved_spec__resources",
-        )
+def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.datetime) -> Pass:
+    """The admission pass proper. Caller holds the locks of ``group`` and ``quotas`` (all of the group's),
+    and requests the admitted runs' launch."""
+    queued = queue_order.queued_in_order(group.pk).values_list(
+        "pk",
+        "experiment__quota_id",
+        "devices_requested",
+        "rollout_workers",
+        "reason",
+        "excluded_hosts",
+        "resolved_spec__resources",
     )
     rows = list(queued)
     if not rows:
-        return []
+        return Pass()
     usage = _usage(quotas, now)
     free_by_host, host_of, switch_of, schedulable = _free_devices(group.pk)
     free_count = sum(len(devices) for devices in free_by_host.values())
@@ -132,10 +136,9 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
     # UPDATE for the runs' states, one INSERT for their allocations (the group lock keeps
     # the decisions true until commit).
     chosen_for: dict[int, list[int]] = {}
-    changed: list[tuple[int, str, int]] = []
-    held_back_by: int | None = None
-    position = 0
-    for run_id, quota_id, need, workers, old_reason, old_position, excluded, resources in rows:
+    changed: list[tuple[int, str]] = []
+    held_back = False
+    for run_id, quota_id, need, workers, old_reason, excluded, resources in rows:
         # its trainer's ranks on one host, then one switch; its remote rollout roles anywhere
         shape = placement.shape_of(resources, need)
         quota = quotas.get(quota_id)
@@ -146,8 +149,9 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
         if reason is None and need > schedulable:
             # Unhealthy devices or offline hosts: it cannot fit now, but must not block the queue.
             reason = f"needs {need} devices; group {group.name} has {schedulable} healthy devices on online hosts"
-        elif reason is None and held_back_by is not None and not backfill:
-            reason = f"waiting behind run {held_back_by} for free {group.kind} devices"
+        elif reason is None and held_back and not backfill:
+            # No run named: the runs behind keep their reason when the one holding them back leaves.
+            reason = f"waiting behind an earlier run for free {group.kind} devices"
         elif reason is None:
             allowed = {h: d for h, d in free_by_host.items() if h not in excluded} if excluded else free_by_host
             chosen = placement.place_run(shape, allowed, switch_of)
@@ -157,7 +161,7 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
                     reason += f"; not on {_host_names(excluded)}, where it kept failing"
                 if not excluded or placement.place_run(shape, free_by_host, switch_of) is None:
                     # (a run kept off a host only by its exclusion must not hold the queue behind it)
-                    held_back_by = held_back_by or run_id
+                    held_back = True
             else:
                 placement.take(free_by_host, host_of, chosen)
                 free_count -= need
@@ -166,9 +170,8 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
                 usage[quota_id].runs += 1
                 usage[quota_id].rollout_workers += workers
                 continue
-        position += 1
-        if reason != old_reason or position != old_position:
-            changed.append((run_id, reason, position))
+        if reason != old_reason:
+            changed.append((run_id, reason))
     admitted = sql.mark_admitted(list(chosen_for), now) if chosen_for else []
     if admitted:
         Allocation.objects.bulk_create(
@@ -177,5 +180,5 @@ def admit_locked(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.d
             for device_id in chosen_for[run_id]
         )
     if changed:
-        sql.write_queue_state(changed)
-    return admitted
+        sql.write_reasons(changed)
+    return Pass(admitted=admitted, new_reasons=[run_id for run_id, _ in changed], queued=len(rows) - len(admitted))

@@ -39,9 +39,9 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from jobs import stream
+from jobs import queue_order, stream
 from jobs.models import Run, RunStreamEntry
-from jobs.states import TERMINAL_STATES
+from jobs.states import TERMINAL_STATES, RunState
 from rlplatform import permissions as perms
 from rlplatform.memberships import access_group
 
@@ -320,17 +320,35 @@ class RunConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
             self.last_sent = seq
 
 
+_SUMMARY_FIELDS = ("pk", "state", "reason", "experiment_id", "experiment__name", "experiment__group_id")
+
+
+def _summaries(runs) -> list[dict[str, Any]]:
+    """Runs-list summaries of ``runs`` (a queryset), queued ones with their positions (jobs.queue_order)."""
+    rows = list(runs.values(*_SUMMARY_FIELDS).order_by("pk"))
+    places = queue_order.positions_of((r["pk"], r["state"], r["experiment__group_id"]) for r in rows)
+    return [stream.run_summary({**row, "queue_position": places.get(row["pk"])}) for row in rows]
+
+
 @database_sync_to_async
-def _runs_view(user) -> tuple[list[int], list[int], list[dict[str, Any]], list[dict[str, Any]]]:
-    teams = list(perms.teams_for(user).values_list("pk", flat=True))
-    groups = list(perms.groups_for(user).values_list("pk", flat=True))
-    rows = (
-        Run.objects.filter(experiment__team_id__in=teams)
-        .exclude(state__in=[s.value for s in TERMINAL_STATES])
-        .values("pk", "state", "reason", "queue_position", "experiment_id", "experiment__name")
-        .order_by("pk")
+def _visible(user) -> tuple[list[int], list[int]]:
+    """The user's teams and the resource groups they may see."""
+    return list(perms.teams_for(user).values_list("pk", flat=True)), list(
+        perms.groups_for(user).values_list("pk", flat=True)
     )
-    return teams, groups, [stream.run_summary(row) for row in rows], [stream.group_usage(g) for g in groups]
+
+
+@database_sync_to_async
+def _runs_view(teams: list[int], groups: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The teams' unfinished runs as summaries, and the groups' device use."""
+    runs = Run.objects.filter(experiment__team_id__in=teams).exclude(state__in=[s.value for s in TERMINAL_STATES])
+    return _summaries(runs), [stream.group_usage(g) for g in groups]
+
+
+@database_sync_to_async
+def _queued_in_group(teams: list[int], group_id: int) -> list[dict[str, Any]]:
+    """The teams' queued runs in the group, as summaries with their current positions and reasons."""
+    return _summaries(Run.objects.queued().filter(experiment__team_id__in=teams, experiment__group_id=group_id))
 
 
 class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
@@ -344,13 +362,17 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
             return
         await self._watch_access(user.pk)
         self.groups_joined: list[str] = []
-        teams, groups, runs, usage = await _runs_view(user)
-        # Join before sending the snapshot: a change after the snapshot read then arrives as a message.
+        teams, groups = await _visible(user)
+        # Join before reading the snapshot: a change after the read then arrives as a message.
         for name in [stream.team_group(t) for t in teams] + [stream.cluster_group(g) for g in groups]:
             await self.channel_layer.group_add(name, self.channel_name)
             self.groups_joined.append(name)
+        runs, usage = await _runs_view(teams, groups)
+        self.sent_queued: dict[int, tuple] = {}  # run id -> (reason, position) last sent for a queued run
+        self.queue_refresh: dict[int, asyncio.Task] = {}  # group id -> the read of its queue under way
+        self.queue_dirty: set[int] = set()  # groups whose queue moved again while being read
         for run in runs:
-            await self.send_json({"type": "run", "data": run})
+            await self._send_run(run)
         for group in usage:
             await self.send_json({"type": "cluster", "data": group})
         self._set_teams(teams)
@@ -358,6 +380,8 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
     async def disconnect(self, code):
         await self._end_access_watch()
         await self._leave_groups()
+        for task in list(getattr(self, "queue_refresh", {}).values()):
+            task.cancel()
 
     async def _leave_groups(self) -> None:
         for name in getattr(self, "groups_joined", []):
@@ -367,9 +391,16 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
     async def _stop_streaming(self) -> None:
         await self._leave_groups()  # messages already queued are dropped below (``denied``)
 
+    async def _send_run(self, run: dict[str, Any]) -> None:
+        if run["state"] == RunState.QUEUED.value:
+            self.sent_queued[run["id"]] = (run["reason"], run["queue_position"])
+        else:
+            self.sent_queued.pop(run["id"], None)
+        await self.send_json({"type": "run", "data": run})
+
     async def runs_run(self, message):
         if not self.denied:
-            await self.send_json({"type": "run", "data": message["data"]})
+            await self._send_run(message["data"])
 
     async def runs_metrics(self, message):
         if not self.denied:
@@ -380,8 +411,26 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
             await self.send_json({"type": "cluster", "data": message["data"]})
 
     async def runs_queue(self, message):
-        # Runs of one team that moved in their queue (jobs.stream.append_state_changes): one message for all.
-        for run in message["data"]:
-            if self.denied:
-                return
-            await self.send_json({"type": "run", "data": run})
+        """A group's queue moved (jobs.stream.tell_changes): read this user's queued runs there again and send
+        those whose place or reason changed. One read at a time per group; moves during it cause one more."""
+        group_id = message["group"]
+        if self.denied:
+            return
+        if group_id in self.queue_refresh:
+            self.queue_dirty.add(group_id)
+            return
+        self.queue_refresh[group_id] = asyncio.create_task(self._refresh_queue(group_id))
+
+    async def _refresh_queue(self, group_id: int) -> None:
+        try:
+            while not self.denied:
+                self.queue_dirty.discard(group_id)
+                for run in await _queued_in_group(sorted(self._teams), group_id):
+                    if self.denied:
+                        return
+                    if self.sent_queued.get(run["id"]) != (run["reason"], run["queue_position"]):
+                        await self._send_run(run)
+                if group_id not in self.queue_dirty:
+                    return
+        finally:
+            self.queue_refresh.pop(group_id, None)

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from jobs import accounting, admission, confinement, stream
+from jobs import accounting, admission, confinement, queue_order, stream
 from jobs.ingest.tokens import REVOKED_AT, revoke_run_tokens
 from jobs.lifecycle.dispatch import request_launch
 from jobs.models import Experiment, Run
@@ -151,9 +151,8 @@ def update_quota(actor, quota: Quota, **changes: Any) -> Quota:
         if after != before:
             locked.save()
             audit.record(actor, "quota.update", locked, before, after)
-            states = stream.state_snapshot(quota.group_id)
-            _admit(group, quotas, timezone.now())
-            stream.append_state_changes(quota.group_id, states)
+            moved = _admit(group, quotas, timezone.now())
+            stream.tell_changes(quota.group_id, moved.admitted, queue_moved=moved.moved_queue)
     quota.refresh_from_db()
     return quota
 
@@ -341,33 +340,28 @@ def submit_run(
         if submission_id is None or existing is None:
             raise
         return _same_submission(existing, resolved, priority), False
-    admit_and_stream(experiment.group_id, also=[run.pk])  # the new run's first state entry comes with it
+    admit_and_stream(experiment.group_id, also=[run.pk])  # the new run's first state entry, and the queue moved
     run.refresh_from_db()
     return run, True
 
 
 def admit_and_stream(group_id: int, also: list[int] | tuple[int, ...] = ()) -> list[int]:
-    """An admission pass over the group, then the live UI told what it changed (jobs.stream); returns the
-    admitted run ids.
-
-    The snapshot is taken under the group lock: one taken before it would count every run that concurrent
-    submits and cancels changed meanwhile as changed here too, and stream it a second time.
-    """
+    """An admission pass over the group, then the live UI told what it changed (jobs.stream), the runs in
+    ``also`` (new in the queue) among them; returns the admitted run ids."""
     with transaction.atomic():
         group = locks.lock_group(group_id)
         quotas = locks.lock_group_quotas(group_id)
-        states = stream.state_snapshot(group_id)
-        admitted = _admit(group, quotas, timezone.now())
-        stream.append_state_changes(group_id, states, also=also)
-    return admitted
+        moved = _admit(group, quotas, timezone.now())
+        stream.tell_changes(group_id, [*also, *moved.admitted], queue_moved=bool(also) or moved.moved_queue)
+    return moved.admitted
 
 
-def _admit(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.datetime) -> list[int]:
+def _admit(group: ResourceGroup, quotas: dict[int, Quota], now: datetime.datetime) -> admission.Pass:
     """An admission pass (the caller holds the locks of ``group`` and ``quotas``), and the launch of the runs
-    it admitted requested for after commit; returns their ids."""
-    admitted = admission.admit_locked(group, quotas, now)
-    request_launch(admitted)
-    return admitted
+    it admitted requested for after commit."""
+    moved = admission.admit_locked(group, quotas, now)
+    request_launch(moved.admitted)
+    return moved
 
 
 # --- state changes -----------------------------------------------------------------------------
@@ -387,10 +381,9 @@ def transition(run: Run, target: RunState | str, reason: str = "") -> Run:
         group = locks.lock_group(group_id)
         quotas = locks.lock_group_quotas(group_id)
         now = timezone.now()  # under the lock: release and admission times follow the lock order
-        states = stream.state_snapshot(group_id)
         current = Run.objects.filter(pk=run.pk).values_list("state", flat=True).get()
         check_transition(run.pk, current, target, reason)
-        fields: dict[str, Any] = {"state": target, "updated_at": now, "queue_position": None}
+        fields: dict[str, Any] = {"state": target, "updated_at": now}
         fields["reason"] = reason if (target in REASON_REQUIRED or target in TERMINAL_STATES) else ""
         if target == RunState.RUNNING and run.started_at is None:
             fields["started_at"] = now
@@ -404,11 +397,11 @@ def transition(run: Run, target: RunState | str, reason: str = "") -> Run:
         releases = RunState(current) in ACTIVE_STATES and target not in ACTIVE_STATES
         if releases:
             accounting.release_run(run.pk, now)
-        if releases or target == RunState.QUEUED or current == RunState.QUEUED:
-            _admit(group, quotas, now)
+        in_or_out = RunState.QUEUED in (RunState(current), target)  # it entered or left the queue
+        moved = _admit(group, quotas, now) if releases or in_or_out else admission.Pass()
         if target in REVOKED_AT:  # the run ended: its tokens stop writing (jobs/ingest/tokens.py)
             revoke_run_tokens(run)
-        stream.append_state_changes(group_id, states, also=[run.pk])  # this run and any admission moved
+        stream.tell_changes(group_id, [run.pk, *moved.admitted], queue_moved=in_or_out or moved.moved_queue)
     run.refresh_from_db()
     return run
 
@@ -448,19 +441,16 @@ def set_priority(actor, run: Run, priority: int | None) -> Run:
         quotas = locks.lock_group_quotas(group_id)
         old = Run.objects.filter(pk=run.pk).values_list("priority", flat=True).get()
         if old != priority:
-            states = stream.state_snapshot(group_id)
             Run.objects.filter(pk=run.pk).update(priority=priority, updated_at=timezone.now())
             audit.record(actor, "run.priority", run, {"priority": old}, {"priority": priority})
-            _admit(group, quotas, timezone.now())
-            stream.append_state_changes(group_id, states)
+            moved = _admit(group, quotas, timezone.now())
+            queued = Run.objects.filter(pk=run.pk).queued().exists()  # a queued run's place may have changed
+            stream.tell_changes(group_id, moved.admitted, queue_moved=queued or moved.moved_queue)
     run.refresh_from_db()
     return run
 
 
 def queue_info(run: Run) -> dict[str, Any]:
     """State, reason and (when queued) 1-based position among the group's queued runs."""
-    return {
-        "state": run.state,
-        "reason": run.reason,
-        "queue_position": run.queue_position if run.state == RunState.QUEUED else None,
-    }
+    position = queue_order.position_of(run.pk, run.experiment.group_id) if run.state == RunState.QUEUED else None
+    return {"state": run.state, "reason": run.reason, "queue_position": position}

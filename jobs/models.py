@@ -1,8 +1,8 @@
 """Experiments, runs and device allocations.
 
 A Run carries its spec (as submitted) and resolved spec (all defaults), its
-state (jobs.states) with the stored reason, and — while queued — its position
-in the admission order. Change state only through ``jobs.handler``: it applies
+state (jobs.states) with the stored reason. A queued run's position is not
+stored: jobs.queue_order derives it when read. Change state only through ``jobs.handler``: it applies
 transitions as conditional UPDATEs and releases devices.
 """
 
@@ -67,9 +67,6 @@ class Run(models.Model):
     # Copied from the resolved spec so admission never parses JSON.
     devices_requested = models.PositiveIntegerField()
     rollout_workers = models.PositiveIntegerField()
-    queue_position = models.PositiveIntegerField(
-        null=True, blank=True, help_text="1-based, among queued runs of the group"
-    )
     parent_checkpoint = models.CharField(max_length=500, blank=True, help_text="Checkpoint this run forks from")
     excluded_hosts = models.JSONField(
         default=list, blank=True, help_text="Ids of hosts admission must not place it on (its role kept failing there)"

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef
-from django.db.models.functions import Coalesce, Least
 
-from jobs import admission, commands, placement
+from jobs import admission, commands, placement, queue_order
 from jobs.lifecycle.events import record_event
 from jobs.models import Allocation, Command, CommandKind, CommandState, Run
 from jobs.states import RunState
@@ -30,26 +29,13 @@ from rlplatform import locks
 NO_FREE_DEVICES = "no free "  # the start of admission's reason for a run that waits for devices
 
 
-def _effective_priority(queryset):
-    return queryset.annotate(
-        effective_priority=Least(Coalesce("priority", "experiment__quota__priority"), F("experiment__quota__priority"))
-    )
-
-
 def preempt_for_waiting(group_id: int) -> list[int]:
     """One preemption pass over a group; returns the runs sent a preempt command."""
     with transaction.atomic():
         locks.lock_group(group_id)
         waiting = (
-            _effective_priority(Run.objects.queued().filter(experiment__group_id=group_id))
-            .order_by(F("effective_priority").desc(), "submitted_at", "pk")
-            .values_list(
-                "pk",
-                "effective_priority",
-                "devices_requested",
-                "reason",
-                "resolved_spec__resources",
-            )
+            queue_order.queued_in_order(group_id)
+            .values_list("pk", "effective_priority", "devices_requested", "reason", "resolved_spec__resources")
             .first()
         )
         if waiting is None or not waiting[3].startswith(NO_FREE_DEVICES):
@@ -61,7 +47,7 @@ def preempt_for_waiting(group_id: int) -> list[int]:
         ).exclude(state=CommandState.FAILED)
         candidates = [
             run
-            for run in _effective_priority(
+            for run in queue_order.with_effective_priority(
                 Run.objects.filter(experiment__group_id=group_id, state__in=[RunState.RUNNING, RunState.PAUSED])
                 .exclude(Exists(asked))
                 .select_related("experiment")

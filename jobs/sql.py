@@ -56,7 +56,7 @@ def mark_admitted_pg(run_ids: list[int], now: datetime.datetime) -> list[int]:
     """One conditional UPDATE for all the runs."""
     with connection.cursor() as cursor:
         cursor.execute(
-            f'UPDATE "{Run._meta.db_table}" SET "state" = %s, "reason" = \'\', "queue_position" = NULL, '
+            f'UPDATE "{Run._meta.db_table}" SET "state" = %s, "reason" = \'\', '
             '"admitted_at" = %s, "updated_at" = %s WHERE "id" = ANY(%s::bigint[]) AND "state" = %s RETURNING "id"',
             [RunState.ADMITTED.value, now, now, run_ids, RunState.QUEUED.value],
         )
@@ -70,38 +70,38 @@ def mark_admitted_portable(run_ids: list[int], now: datetime.datetime) -> list[i
         run_id
         for run_id in run_ids
         if Run.objects.filter(pk=run_id, state=RunState.QUEUED).update(
-            state=RunState.ADMITTED, reason="", queue_position=None, admitted_at=now, updated_at=now
+            state=RunState.ADMITTED, reason="", admitted_at=now, updated_at=now
         )
     ]
 
 
-def write_queue_state(changed: list[tuple[int, str, int]]) -> None:
-    """Store (run id, reason, queue position) rows."""
+def write_reasons(changed: list[tuple[int, str]]) -> None:
+    """Store (run id, reason) rows: the queued runs whose reason an admission pass changed."""
     if on_postgresql():
-        write_queue_state_pg(changed)
+        write_reasons_pg(changed)
     else:
-        write_queue_state_portable(changed)
+        write_reasons_portable(changed)
 
 
-def write_queue_state_pg(changed: list[tuple[int, str, int]]) -> None:
+def write_reasons_pg(changed: list[tuple[int, str]]) -> None:
     """An ``UPDATE ... FROM (VALUES ...)`` per 2,000 rows: Django's bulk_update builds a CASE expression per
     row, which costs more Python time than the whole rest of a 1,000-run admission pass."""
     table = Run._meta.db_table
     for start in range(0, len(changed), 2000):
         chunk = changed[start : start + 2000]
-        values = ", ".join(["(%s::bigint, %s::text, %s::integer)"] * len(chunk))
+        values = ", ".join(["(%s::bigint, %s::text)"] * len(chunk))
         params = [item for row in chunk for item in row]
         with connection.cursor() as cursor:
             cursor.execute(
-                f'UPDATE "{table}" AS r SET "reason" = v.reason, "queue_position" = v.position '
-                f"FROM (VALUES {values}) AS v(id, reason, position) WHERE r.id = v.id",
+                f'UPDATE "{table}" AS r SET "reason" = v.reason FROM (VALUES {values}) AS v(id, reason) '
+                "WHERE r.id = v.id",
                 params,
             )
 
 
-def write_queue_state_portable(changed: list[tuple[int, str, int]]) -> None:
-    runs = [Run(pk=pk, reason=reason, queue_position=position) for pk, reason, position in changed]
-    Run.objects.bulk_update(runs, ["reason", "queue_position"], batch_size=500)
+def write_reasons_portable(changed: list[tuple[int, str]]) -> None:
+    runs = [Run(pk=pk, reason=reason) for pk, reason in changed]
+    Run.objects.bulk_update(runs, ["reason"], batch_size=500)
 
 
 # --- ingest (jobs.ingest.handler): a batch's metric points --------------------------------------------------

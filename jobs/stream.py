@@ -20,10 +20,11 @@ and cluster usage on ``cluster.<group id>``; those carry no sequence number
 A run that only moved in its queue (still QUEUED; its position or the reason it
 waits changed because a run ahead left or was admitted) gets no entry of its
 own: one cancel at the head of a 1,000-run queue would otherwise write 1,000
-entries under the group lock. Its new position and reason are in the table
-(``Run.queue_position``, read by every page and the REST API) and go to the runs
-lists as one ``runs.queue`` message per team. A run's terminal state also goes to
-``run.<id>.end``, which long-polls (jobs.longpoll) wait on.
+entries under the group lock. Positions are derived when read (jobs.queue_order)
+and reasons are in the table; the runs lists hear "the queue of group G moved"
+as one ``runs.queue`` message per team and read them again (jobs.consumers).
+A run's terminal state also goes to ``run.<id>.end``, which long-polls
+(jobs.longpoll) wait on.
 """
 
 from __future__ import annotations
@@ -38,20 +39,20 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import connection, transaction
 
-from jobs.models import Run, RunStreamEntry, StreamType
+from jobs import queue_order
+from jobs.models import Experiment, Run, RunStreamEntry, StreamType
 from jobs.states import TERMINAL_STATES, RunState
 from runtime import contract as M
 
 __all__ = [
     "append",
     "append_many",
-    "append_state_changes",
     "cluster_group",
     "group_usage",
     "run_end_group",
     "run_group",
     "run_summary",
-    "state_snapshot",
+    "tell_changes",
     "team_group",
 ]
 
@@ -126,59 +127,40 @@ def _send(group: str, message: dict[str, Any]) -> None:
 
 # --- state changes and the runs list --------------------------------------------------------------------
 
-_SNAPSHOT_FIELDS = ("pk", "state", "reason", "queue_position", "experiment_id", "experiment__team_id")
+_SUMMARY_FIELDS = ("pk", "state", "reason", "experiment_id", "experiment__name", "experiment__team_id")
 
 
-def state_snapshot(group_id: int) -> dict[int, tuple]:
-    """(state, reason, queue_position) of every run of the resource group that is not terminal.
+def tell_changes(group_id: int, changed: Iterable[int], queue_moved: bool) -> None:
+    """Stream what an operation on a resource group changed, after it is written (same transaction).
 
-    Taken before an operation that may move several runs (a transition runs admission, which
-    admits and re-orders others); ``append_state_changes`` then streams what changed.
-    """
-    rows = Run.objects.in_group(group_id).exclude(state__in=_terminal()).values_list(*_SNAPSHOT_FIELDS)
-    return {row[0]: row[1:4] for row in rows}
+    Each run in ``changed`` (its state changed: submitted, admitted, ended, requeued...) gets a ``state``
+    entry and a ``runs.run`` message to its team; a run that ended, a ``run.ended`` message. When
+    ``queue_moved`` (a run entered or left the queue, or a queued run's reason or place changed), every team
+    with experiments in the group gets one ``runs.queue`` message naming the group, whatever the queue's
+    length: its runs lists read positions and reasons again (jobs.consumers.RunsConsumer)."""
+    rows = list(Run.objects.filter(pk__in=set(changed)).values(*_SUMMARY_FIELDS).order_by("pk"))
+    queued = [row["pk"] for row in rows if row["state"] == RunState.QUEUED.value]
+    places = queue_order.positions(group_id) if queued else {}
+    terminal = set(_terminal())
+    for row in rows:
+        row["queue_position"] = places.get(row["pk"])
+        append(row["pk"], StreamType.STATE, {k: row[k] for k in ("state", "reason", "queue_position")})
+        summary, team_id = run_summary(row), row["experiment__team_id"]
+        transaction.on_commit(lambda s=summary, t=team_id: _send(team_group(t), {"type": "runs.run", "data": s}))
+        if row["state"] in terminal:
+            message = {"type": "run.ended", "run": row["pk"], "state": row["state"]}
+            transaction.on_commit(lambda r=row["pk"], m=message: _send(run_end_group(r), m))
+    if queue_moved:
+        teams = Experiment.objects.filter(group_id=group_id).values_list("team_id", flat=True).distinct()
+        message = {"type": "runs.queue", "group": group_id}
+        for team_id in sorted(teams):
+            transaction.on_commit(lambda t=team_id: _send(team_group(t), message))
+    if rows or queue_moved:
+        transaction.on_commit(lambda: _send_usage(group_id))
 
 
 def _terminal() -> list[str]:
     return [s.value for s in TERMINAL_STATES]
-
-
-def append_state_changes(group_id: int, before: dict[int, tuple], also: Iterable[int] = ()) -> list[int]:
-    """Stream what changed since ``before`` for the runs of the group (and the runs in ``also``, e.g. one
-    that just ended); tell the runs lists and the cluster view. Returns the ids of the runs that changed.
-
-    A run whose state changed, or one in ``also``, gets a ``state`` entry and a ``runs.run`` message. A run
-    that stayed QUEUED and only moved in the queue (position or reason) gets neither: those go to the runs
-    lists as one ``runs.queue`` message per team, so the cost of a cancel does not grow with the queue
-    behind it (a page opened later reads positions from the table)."""
-    also = set(also)
-    ids = set(before) | also
-    rows = Run.objects.filter(pk__in=ids) | Run.objects.in_group(group_id).exclude(state__in=_terminal())
-    terminal = set(_terminal())
-    changed = []
-    moved: dict[int, list[dict[str, Any]]] = {}  # team id -> summaries of its runs that moved in the queue
-    for row in rows.values(*_SNAPSHOT_FIELDS, "experiment__name").order_by("pk"):
-        now = (row["state"], row["reason"], row["queue_position"])
-        was = before.get(row["pk"])
-        if was == now:
-            continue
-        changed.append(row["pk"])
-        summary = run_summary(row)
-        team_id = row["experiment__team_id"]
-        if row["pk"] not in also and was is not None and was[0] == now[0] == RunState.QUEUED.value:
-            moved.setdefault(team_id, []).append(summary)
-            continue
-        append(row["pk"], StreamType.STATE, {"state": now[0], "reason": now[1], "queue_position": now[2]})
-        transaction.on_commit(lambda s=summary, t=team_id: _send(team_group(t), {"type": "runs.run", "data": s}))
-        if now[0] in terminal:
-            message = {"type": "run.ended", "run": row["pk"], "state": now[0]}
-            transaction.on_commit(lambda r=row["pk"], m=message: _send(run_end_group(r), m))
-    for team_id, summaries in moved.items():
-        message = {"type": "runs.queue", "data": summaries}
-        transaction.on_commit(lambda t=team_id, m=message: _send(team_group(t), m))
-    if changed:
-        transaction.on_commit(lambda: _send_usage(group_id))
-    return changed
 
 
 # What the runs tables (experiment, cluster) show of each run's newest metrics, kept live.
@@ -195,7 +177,8 @@ def send_key_metrics(run_id: int, team_id: int, step: int, values: dict[str, Any
 
 
 def run_summary(row: dict[str, Any]) -> dict[str, Any]:
-    """The runs-list message body of one run (``row``: values() with the snapshot fields + experiment name)."""
+    """The runs-list message body of one run (``row``: values() with the summary fields, and its
+    ``queue_position`` from jobs.queue_order)."""
     return {
         "id": row["pk"],
         "state": row["state"],

@@ -25,12 +25,11 @@ def admit_pending() -> int:
     group_ids = sorted(set(Run.objects.queued().values_list("experiment__group_id", flat=True)))
     admitted = 0
     for group_id in group_ids:
-        states = stream.state_snapshot(group_id)
-        admitted_ids = admission.admit_group(group_id)
-        request_launch(admitted_ids)  # committed already: sent at once
-        admitted += len(admitted_ids)
-        with transaction.atomic():
-            stream.append_state_changes(group_id, states)  # live UI: admitted runs, new queue positions
+        moved = admission.admit_group(group_id)
+        request_launch(moved.admitted)  # committed already: sent at once
+        admitted += len(moved.admitted)
+        with transaction.atomic():  # live UI: the admitted runs, the queue moved
+            stream.tell_changes(group_id, moved.admitted, queue_moved=moved.moved_queue)
         preemption.preempt_for_waiting(group_id)  # the first waiting run may take preemptible runs' devices
     return admitted
 

@@ -25,7 +25,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from jobs import commands, handler, stream
+from jobs import commands, handler, queue_order, stream
 from jobs.api_docs import api_docs_page
 from jobs.config_history import config_history
 from jobs.models import (
@@ -83,11 +83,12 @@ def experiment(request: HttpRequest, pk: int) -> HttpResponse:
         Experiment.objects.filter(team__in=perms.teams_for(request.user)).select_related("team", "group", "quota"),
         pk=pk,
     )
-    runs = exp.runs.select_related("created_by").order_by("-submitted_at", "-pk")
+    runs = exp.runs.select_related("created_by", "experiment").order_by("-submitted_at", "-pk")
     state = request.GET.get("state", "").upper()
     if state in RunState.__members__:
         runs = runs.filter(state=state)
     page = Paginator(runs, PAGE_SIZE).get_page(request.GET.get("page"))
+    page.object_list = queue_order.annotate_positions(page.object_list)
     _attach_key_metrics(page.object_list)
     context = {
         "experiment": exp,
@@ -323,12 +324,10 @@ def cluster(request: HttpRequest) -> HttpResponse:
     for host in hosts:
         host.n_free = max(host.n_devices - host.n_used - host.n_unhealthy, 0)
         by_group.setdefault(host.group_id, []).append(host)
-    queued = (
-        _visible_runs(request.user)
-        .filter(state=RunState.QUEUED)
-        .select_related("experiment__group")
-        .order_by("experiment__group__name", "queue_position", "pk")
+    queued = queue_order.annotate_positions(
+        _visible_runs(request.user).filter(state=RunState.QUEUED).select_related("experiment__group")
     )
+    queued.sort(key=lambda r: (r.experiment.group.name, r.queue_position or 0, r.pk))
     quotas = Quota.objects.filter(team__in=perms.teams_for(request.user)).select_related("team", "group")
     for group in groups_:
         group.host_rows = by_group.get(group.pk, [])

@@ -15,6 +15,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from jobs import queue_order
 from jobs.models import Allocation, Experiment, Run
 from jobs.states import ACTIVE_STATES, TERMINAL_STATES, RunState
 from rlplatform.models import Device, Host, Quota
@@ -93,6 +94,14 @@ class ExperimentCreateSerializer(StrictSerializer):
     description = serializers.CharField(required=False, allow_blank=True, default="")
 
 
+class _RunList(serializers.ListSerializer):
+    """A page of runs: the queued ones' positions read once per resource group, not once per run."""
+
+    def to_representation(self, data):
+        runs = queue_order.annotate_positions(data.all() if hasattr(data, "all") else data)
+        return super().to_representation(runs)
+
+
 class RunSerializer(FieldsOnceMixin, serializers.ModelSerializer):
     """A run as listed (without its spec)."""
 
@@ -127,10 +136,13 @@ class RunSerializer(FieldsOnceMixin, serializers.ModelSerializer):
             "finished_at",
         ]
         read_only_fields = fields
+        list_serializer_class = _RunList
 
     @extend_schema_field(serializers.IntegerField(allow_null=True))
     def get_queue_position(self, run: Run) -> int | None:
-        return run.queue_position if run.state == RunState.QUEUED else None
+        if not hasattr(run, "queue_position"):  # one run (a list sets it for the whole page)
+            queue_order.annotate_positions([run])
+        return run.queue_position
 
     @extend_schema_field(OpenApiTypes.BOOL)
     def get_terminal(self, run: Run) -> bool:
@@ -173,7 +185,6 @@ _STATUS_RUN_COLUMNS = (
     "experiment_id",
     "state",
     "reason",
-    "queue_position",
     "priority",
     "submission_id",
     "devices_requested",
@@ -196,7 +207,8 @@ def _status_sql(teams: int) -> str:
     username = user.get_field(get_user_model().USERNAME_FIELD).column
     columns = ", ".join(f"r.{q(c)}" for c in _STATUS_RUN_COLUMNS)
     return (
-        f"SELECT {columns}, e.{q('name')}, e.{q('team_id')}, u.{q(username)}, h.{q('name')}, d.{q('index')} "
+        f"SELECT {columns}, e.{q('name')}, e.{q('team_id')}, e.{q('group_id')}, u.{q(username)}, h.{q('name')}, "
+        f"d.{q('index')} "
         f"FROM {run} r JOIN {exp} e ON e.{q('id')} = r.{q('experiment_id')} "
         f"LEFT JOIN {q(user.db_table)} u ON u.{q(user.pk.column)} = r.{q('created_by_id')} "
         f"LEFT JOIN {alloc} a ON a.{q('run_id')} = r.{q('id')} AND a.{q('released_at')} IS NULL "
@@ -226,7 +238,7 @@ def run_status_reply(run_id: int, team_ids: list[int]) -> dict[str, Any] | None:
         return None
     n = len(_STATUS_RUN_COLUMNS)
     run = dict(zip(_STATUS_RUN_COLUMNS, rows[0][:n], strict=True))
-    experiment_name, team_id, username = rows[0][n : n + 3]
+    experiment_name, team_id, group_id, username = rows[0][n : n + 4]
     state = run["state"]
     # Only ADMITTED..PAUSED runs hold devices, as RunDetailSerializer.get_devices says.
     devices = [f"{host}:{index}" for *_, host, index in rows if host is not None] if state in _ACTIVE else []
@@ -239,7 +251,7 @@ def run_status_reply(run_id: int, team_ids: list[int]) -> dict[str, Any] | None:
         "team": team_id,
         "state": state,
         "reason": run["reason"],
-        "queue_position": run["queue_position"] if state == RunState.QUEUED.value else None,
+        "queue_position": queue_order.position_of(run["id"], group_id) if state == RunState.QUEUED.value else None,
         "terminal": state in _TERMINAL,
         "priority": run["priority"],
         "submission_id": run["submission_id"],

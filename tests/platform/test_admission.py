@@ -4,7 +4,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from jobs import admission, handler
+from jobs import admission, handler, queue_order
 from jobs.models import Allocation, Run
 from jobs.states import RunState
 from rlplatform.models import Device, HostStatus
@@ -18,7 +18,7 @@ def _devices_of(run):
 
 def _state(run):
     run.refresh_from_db()
-    return run.state, run.queue_position, run.reason
+    return run.state, queue_order.position_of(run.pk, run.experiment.group_id), run.reason
 
 
 def test_priority_then_fifo(make_group, make_experiment, team_a, submit, complete):
@@ -30,8 +30,8 @@ def test_priority_then_fifo(make_group, make_experiment, team_a, submit, complet
     low_late = submit(exp, 2, priority=0)
     assert first.state == RunState.ADMITTED
     assert _state(high) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 2, free 0)")
-    assert _state(low_early) == (RunState.QUEUED, 2, f"waiting behind run {high.pk} for free cpu devices")
-    assert _state(low_late) == (RunState.QUEUED, 3, f"waiting behind run {high.pk} for free cpu devices")
+    assert _state(low_early) == (RunState.QUEUED, 2, "waiting behind an earlier run for free cpu devices")
+    assert _state(low_late) == (RunState.QUEUED, 3, "waiting behind an earlier run for free cpu devices")
 
     complete(first)  # frees 2 devices: the high-priority run goes next, then FIFO among equals
     assert _state(high) == (RunState.ADMITTED, None, "")
@@ -156,10 +156,10 @@ def test_waiting_gang_holds_back_smaller_runs_unless_backfill(make_group, make_e
     submit(exp, 3)
     big = submit(exp, 4)
     small = submit(exp, 1)
-    assert _state(small) == (RunState.QUEUED, 2, f"waiting behind run {big.pk} for free cpu devices")
+    assert _state(small) == (RunState.QUEUED, 2, "waiting behind an earlier run for free cpu devices")
 
     settings.TANDEM_ADMISSION_BACKFILL = True
-    assert admission.admit_group(group.pk) == [small.pk]
+    assert admission.admit_group(group.pk).admitted == [small.pk]
     assert _state(big) == (RunState.QUEUED, 1, "no free cpu devices in group g (need 4, free 1)")
 
 
@@ -176,7 +176,7 @@ def test_positions_are_per_group(make_group, make_experiment, team_a, submit):
     assert [_state(r)[1] for r in q2] == [1, 2, 3]
     assert handler.queue_info(q2[2]) == {
         "state": RunState.QUEUED,
-        "reason": f"waiting behind run {q2[0].pk} for free cpu devices",
+        "reason": "waiting behind an earlier run for free cpu devices",
         "queue_position": 3,
     }
 
@@ -223,9 +223,12 @@ def test_a_pass_over_a_thousand_queued_runs_is_a_few_queries(
         for i in range(1000)
     )
     with django_assert_max_num_queries(20):  # not one per run
-        assert admission.admit_group(group.pk) == []
-    queued = list(Run.objects.queued().order_by("submitted_at", "pk").values_list("queue_position", "reason"))
-    assert queued == [(i, "quota: 1/1 concurrent runs") for i in range(1, 1001)]
+        assert admission.admit_group(group.pk).admitted == []
+    queued = list(Run.objects.queued().order_by("submitted_at", "pk").values_list("pk", "reason"))
+    places = queue_order.positions(group.pk)
+    assert [(places[pk], reason) for pk, reason in queued] == [
+        (i, "quota: 1/1 concurrent runs") for i in range(1, 1001)
+    ]
     with CaptureQueriesContext(connection) as second_pass:
         admission.admit_group(group.pk)
     # Nothing changed since the first pass, so nothing is written.

@@ -7,7 +7,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from jobs import admission, sql
+from jobs import admission, queue_order, sql
 from jobs.models import Allocation, Run
 from jobs.states import RunState
 
@@ -49,15 +49,15 @@ def test_one_pass_admits_a_hundred_runs_with_exact_placement(make_group, make_ex
 
     # When one pass runs
     with CaptureQueriesContext(connection) as pass_queries:
-        admitted = admission.admit_group(group.pk)
+        admitted = admission.admit_group(group.pk).admitted
 
     # Then all 110 are admitted in FIFO order, best fit filling h1, then h2, ... device by device
     assert admitted == ids
     expected = {run_id: [(f"g-h{i // 32 + 1}", i % 32)] for i, run_id in enumerate(ids)}
     assert _held(ids) == expected
     assert Allocation.objects.count() == 110
-    rows = Run.objects.filter(pk__in=ids).values_list("state", "reason", "queue_position", "admitted_at")
-    assert {(state, reason, position) for state, reason, position, _at in rows} == {(RunState.ADMITTED, "", None)}
+    rows = Run.objects.filter(pk__in=ids).values_list("state", "reason", "admitted_at")
+    assert {(state, reason) for state, reason, _at in rows} == {(RunState.ADMITTED, "")}
     assert len({at for *_rest, at in rows}) == 1  # one pass, one instant
     # and the writes are one UPDATE of the runs and one INSERT of the allocations, not one per run
     writes = [q["sql"].split()[0] for q in pass_queries.captured_queries if q["sql"].startswith(("UPDATE", "INSERT"))]
@@ -70,7 +70,7 @@ def test_a_mixed_pass_admits_gangs_whole_and_queues_the_rest_with_reasons(make_g
     exp = make_experiment(team_a, group, "e", max_devices=100, max_concurrent_runs=100, max_rollout_workers=100)
     a, b, c, d, e, f = (r.pk for r in _queue(exp, [3, 3, 2, 5, 1, 2]))
 
-    admitted = admission.admit_group(group.pk)
+    admitted = admission.admit_group(group.pk).admitted
 
     # Then a, b, c fit (3 on h1, 3 on h2, 2 on h3); d (5) finds 4 free and holds back e and f.
     assert admitted == [a, b, c]
@@ -79,13 +79,12 @@ def test_a_mixed_pass_admits_gangs_whole_and_queues_the_rest_with_reasons(make_g
         b: [("g-h2", 0), ("g-h2", 1), ("g-h2", 2)],
         c: [("g-h3", 0), ("g-h3", 1)],
     }
-    queued = dict(Run.objects.filter(pk__in=[d, e, f]).values_list("pk", "queue_position"))
-    assert queued == {d: 1, e: 2, f: 3}
+    assert queue_order.positions(group.pk) == {d: 1, e: 2, f: 3}
     reasons = dict(Run.objects.filter(pk__in=[d, e, f]).values_list("pk", "reason"))
     assert reasons == {
         d: "no free cpu devices in group g (need 5, free 4)",
-        e: f"waiting behind run {d} for free cpu devices",
-        f: f"waiting behind run {d} for free cpu devices",
+        e: "waiting behind an earlier run for free cpu devices",
+        f: "waiting behind an earlier run for free cpu devices",
     }
 
 

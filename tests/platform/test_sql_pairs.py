@@ -136,19 +136,19 @@ def _mark_admitted(world: World, fn: Callable, runs: list[Run]) -> dict:
     return {"admitted": [[r.pk for r in runs].index(pk) for pk in admitted], "stored": _stored_runs(runs)}
 
 
-def _write_queue_state(world: World, fn: Callable, runs: list[Run]) -> dict:
-    fn([(runs[0].pk, "waiting behind run 7 for free cpu devices", 2), (runs[2].pk, "quota: 4/4 concurrent runs", 1)])
+def _write_reasons(world: World, fn: Callable, runs: list[Run]) -> dict:
+    fn([(runs[0].pk, "waiting behind an earlier run for free cpu devices"), (runs[2].pk, "quota: 4/4 concurrent runs")])
     fn([])
     return {"stored": _stored_runs(runs)}
 
 
 def _stored_runs(runs: list[Run]) -> list[tuple]:
-    fields = ("state", "reason", "queue_position", "admitted_at")
+    fields = ("state", "reason", "admitted_at")
     return [Run.objects.filter(pk=r.pk).values_list(*fields).get() for r in runs]
 
 
 def _queued_runs(world: World) -> list[Run]:
-    return [world.run(reason="waiting for admission", queue_position=i + 1) for i in range(3)]
+    return [world.run(reason="waiting for admission") for _ in range(3)]
 
 
 def _tokens(world: World) -> list[str]:
@@ -186,7 +186,7 @@ class Case:
 
 CASES = {
     "jobs.sql:mark_admitted": Case(_queued_runs, _mark_admitted, writes=True),
-    "jobs.sql:write_queue_state": Case(_queued_runs, _write_queue_state, writes=True),
+    "jobs.sql:write_reasons": Case(_queued_runs, _write_reasons, writes=True),
     "jobs.sql:upsert_metric_points": Case(World.run, _upsert_metric_points, writes=True),
     "jobs.sql:rewind_metric_points": Case(World.run_with_points, _rewind_metric_points, writes=True),
     "jobs.sql:metric_keys": Case(World.run_with_points, _metric_keys, writes=False),

@@ -2,9 +2,9 @@
 with the queue.
 
 Waiters (``GET /api/runs/{id}/wait/``) go through the real ASGI application, PostgreSQL's connection pool
-and the Redis channel layer (jobs.longpoll). Runs that only move in their queue get no stream entry of
-their own (jobs.stream.append_state_changes): their positions and reasons are read from the table, and
-the runs lists get them in one message per team. What these cost under load: bench/longpoll.py and
+and the Redis channel layer (jobs.longpoll). Runs that only move in their queue get no stream entry and no
+write of their own (jobs.stream.tell_changes): positions are derived when read (jobs.queue_order), and the
+runs lists hear "the queue moved" in one message per team and read them again. What these cost under load: bench/longpoll.py and
 bench/cancel_queue.py.
 """
 
@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import Max
 
-from jobs import handler, longpoll
+from jobs import handler, longpoll, queue_order
 from jobs.api import serializers as s
 from jobs.models import Run, RunStreamEntry
 from jobs.states import RunState
@@ -35,7 +35,7 @@ def full_queue(make_group, make_experiment, team_a, submit):
     blocker = submit(exp)
     queued = [submit(exp) for _ in range(QUEUED_BEHIND + 1)]
     assert blocker.state == RunState.ADMITTED
-    assert [r.queue_position for r in queued] == list(range(1, QUEUED_BEHIND + 2))
+    assert _positions(queued) == list(range(1, QUEUED_BEHIND + 2))
     return group, blocker, queued
 
 
@@ -48,8 +48,8 @@ def _entries_after(mark: int) -> list[tuple]:
 
 
 def _positions(runs):
-    rows = dict(Run.objects.filter(pk__in=[r.pk for r in runs]).values_list("pk", "queue_position"))
-    return [rows[r.pk] for r in runs]
+    places = queue_order.positions(runs[0].experiment.group_id)
+    return [places.get(r.pk) for r in runs]
 
 
 @pytest.mark.django_db
@@ -69,8 +69,35 @@ def test_cancelling_the_head_of_a_queue_writes_one_stream_entry_and_positions_re
     new_head = Run.objects.get(pk=behind[0].pk)
     assert new_head.reason == "no free cpu devices in group g (need 1, free 0)"
     last = Run.objects.get(pk=behind[-1].pk)
-    assert last.reason == f"waiting behind run {new_head.pk} for free cpu devices"
+    assert last.reason == "waiting behind an earlier run for free cpu devices"
     assert s.run_status_reply(last.pk, [last.experiment.team_id])["queue_position"] == QUEUED_BEHIND
+
+
+def _cancel_the_head_and_count_queries(make_group, make_experiment, team, owner, submit, behind: int) -> tuple:
+    """(writes, reads) of cancelling the head of a one-device group's queue with ``behind`` runs behind it."""
+    from django.test.utils import CaptureQueriesContext
+
+    group = make_group(f"g{behind}", hosts=[("h1", 1, None)], teams=[team])
+    exp = make_experiment(team, group, f"e{behind}", max_concurrent_runs=1000)
+    submit(exp)
+    queued = [submit(exp) for _ in range(behind + 1)]
+    with CaptureQueriesContext(connection) as queries:
+        handler.cancel_run(owner, queued[0])
+    statements = [q["sql"].split()[0].upper() for q in queries.captured_queries]
+    writes = [s for s in statements if s in ("INSERT", "UPDATE", "DELETE")]
+    return writes, len(statements) - len(writes)
+
+
+@pytest.mark.django_db
+def test_cancelling_the_head_costs_the_same_statements_whatever_the_queue_behind_it(
+    make_group, make_experiment, team_a, owner, submit
+):
+    # Given queues of 3 and 40 runs behind their heads; when each head is cancelled
+    short = _cancel_the_head_and_count_queries(make_group, make_experiment, team_a, owner, submit, 3)
+    long = _cancel_the_head_and_count_queries(make_group, make_experiment, team_a, owner, submit, 40)
+    # Then both cancels run the same statements: none writes a row per run behind
+    assert long == short
+    assert short[0].count("UPDATE") <= 4, short  # the run, its counter, the new head's reason, a token revoke
 
 
 @pytest.mark.django_db
@@ -101,7 +128,9 @@ def test_a_run_admitted_by_a_release_still_gets_its_entry(full_queue, complete):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_runs_list_gets_the_moved_runs_in_one_message(full_queue, owner, cookie_for, flush_layer):
+def test_the_runs_list_reads_the_new_places_of_its_queued_runs_when_the_queue_moves(
+    full_queue, owner, cookie_for, flush_layer
+):
     # Given the owner's runs list open on the queue
     _group, _blocker, queued = full_queue
     head, behind = queued[0], queued[1:]
