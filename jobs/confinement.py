@@ -16,8 +16,9 @@ The decision never looks at the file itself, so a refusal reads the same whether
 exists; whether an allowed path exists is the runtime's check, made later.
 
 The code a spec names is confined too: a plug-in algorithm (``algorithm.name: package.module:factory``)
-makes every host of the run import its module, so the platform takes one only from a module under a
-prefix the operator lists in ``settings.TANDEM_ALGORITHM_PLUGINS`` (none by default). The runtime's own
+and a user's Gymnasium environment (``env.entry_point: package.module:make_env``) make every host of the
+run import their module, so the platform takes one only from a module under a prefix the operator lists in
+``settings.TANDEM_ALGORITHM_PLUGINS`` (none by default). The runtime's own
 CLI, on the user's machine, keeps taking any.
 """
 
@@ -119,25 +120,33 @@ def plugin_allowed(module: str) -> bool:
     return any(p and (module == p or module.startswith(p + ".")) for p in prefixes)
 
 
-def _refused_algorithm(resolved_spec: dict[str, Any]) -> list[dict[str, str]]:
-    name = resolved_value(resolved_spec, "algorithm.name")
-    if not isinstance(name, str) or ":" not in name:  # a registered algorithm: nothing is imported
-        return []
-    module = name.partition(":")[0]
-    if plugin_allowed(module):
-        return []
-    message = (
-        f"plug-in module {module!r} is not allowed on this platform: its operator allows plug-ins by listing "
-        "their packages in the setting TANDEM_ALGORITHM_PLUGINS (comma-separated module prefixes)"
-    )
-    return [{"field": "algorithm.name", "message": message}]
+# Spec fields that name a `package.module:callable` the run's hosts import: a plug-in algorithm, a user's
+# Gymnasium environment. Both are confined to TANDEM_ALGORITHM_PLUGINS.
+IMPORTED_FIELDS = ("algorithm.name", "env.entry_point")
+
+
+def _refused_imports(resolved_spec: dict[str, Any]) -> list[dict[str, str]]:
+    errors = []
+    for field in IMPORTED_FIELDS:
+        name = resolved_value(resolved_spec, field)
+        if not isinstance(name, str) or ":" not in name:  # a registered algorithm or env: nothing is imported
+            continue
+        module = name.partition(":")[0]
+        if plugin_allowed(module):
+            continue
+        message = (
+            f"plug-in module {module!r} is not allowed on this platform: its operator allows plug-ins by listing "
+            "their packages in the setting TANDEM_ALGORITHM_PLUGINS (comma-separated module prefixes)"
+        )
+        errors.append({"field": field, "message": message})
+    return errors
 
 
 def refused_spec_paths(team: Team, resolved_spec: dict[str, Any], parent_checkpoint: str = "") -> list[dict[str, str]]:
     """Field errors of what a resolved spec names that the platform refuses, checked at submit and again at
-    each role start: a plug-in algorithm outside TANDEM_ALGORITHM_PLUGINS, and one error per path (and the
-    fork's parent checkpoint) the team may not read."""
-    errors = _refused_algorithm(resolved_spec)
+    each role start: a plug-in algorithm or env entry point outside TANDEM_ALGORITHM_PLUGINS, and one error per
+    path (and the fork's parent checkpoint) the team may not read."""
+    errors = _refused_imports(resolved_spec)
     errors += [
         {"field": field, "message": OUTSIDE_TEAM}
         for field in SPEC_PATH_FIELDS

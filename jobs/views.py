@@ -101,7 +101,7 @@ def experiment(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 # The run page's chart groups: (group, [(chart title, [metric names])]); names are runtime.metrics'.
-CHART_GROUPS = [
+LLM_CHART_GROUPS = [
     (
         "Reward & accuracy",
         [
@@ -149,6 +149,49 @@ CHART_GROUPS = [
         ],
     ),
 ]
+
+# A gym run's (runtime/workloads/gym): episodes and the control learners' own metrics instead of tokens.
+GYM_CHART_GROUPS = [
+    (
+        "Returns",
+        [
+            ("Episode return", [m.EPISODE_RETURN_MEAN, m.EPISODE_RETURN_MIN, m.EPISODE_RETURN_MAX]),
+            ("Evaluation return", [m.EVAL_RETURN_MEAN, m.EVAL_RETURN_MIN, m.EVAL_RETURN_MAX]),
+            ("Episode length", [m.EPISODE_LENGTH_MEAN]),
+        ],
+    ),
+    (
+        "Learner",
+        [
+            ("Policy / value loss", [m.LOSS_POLICY, m.LOSS_VALUE]),
+            ("Entropy", [m.ENTROPY]),
+            ("Approx. KL / clip fraction", [m.APPROX_KL, m.CLIP_FRACTION]),
+            ("TD loss / error", [m.LOSS_TD, m.TD_ERROR]),
+            ("Q values", [m.Q_MEAN]),
+            ("Exploration", [m.EPSILON]),
+            ("Target syncs", [m.TARGET_SYNCS]),
+            ("Replay buffer", [m.REPLAY_SIZE]),
+            ("Grad norm", [m.GRAD_NORM]),
+            ("Learning rate", [m.LR]),
+        ],
+    ),
+    (
+        "Throughput & time split",
+        [
+            ("Env steps / s", [m.ENV_STEPS_PER_S]),
+            ("Env steps trained on", [m.ENV_STEPS]),
+            ("Segments / s", [m.SAMPLES_PER_S]),
+            ("Time split (s)", [m.TIME_GENERATE, m.TIME_TRAIN, m.TIME_WEIGHT_SYNC, m.TIME_WAIT]),
+            ("Bubbles", [m.BUBBLE_TRAINER]),
+        ],
+    ),
+]
+CHART_GROUPS_BY_WORKLOAD = {"llm": LLM_CHART_GROUPS, "gym": GYM_CHART_GROUPS}
+
+
+def chart_groups(run: Run) -> list:
+    """The run page's chart groups for the run's workload (a resolved spec without the field is an LLM run's)."""
+    return CHART_GROUPS_BY_WORKLOAD[(run.resolved_spec or {}).get("workload", "llm")]
 
 
 def _checkpoint_row(c: CheckpointRecord) -> dict:
@@ -207,7 +250,9 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "can_edit": can_edit,
         # Which controls each state allows (jobs.commands.ALLOWED_FROM); the server re-checks every one.
         "allowed": {str(kind): sorted(st.value for st in states) for kind, states in commands.ALLOWED_FROM.items()},
-        "groups": [{"title": g, "charts": [{"title": t, "keys": k} for t, k in charts]} for g, charts in CHART_GROUPS],
+        "groups": [
+            {"title": g, "charts": [{"title": t, "keys": k} for t, k in charts]} for g, charts in chart_groups(run)
+        ],
         "checkpoints": [_checkpoint_row(c) for c in checkpoints],
         "params": commands.effective_params(run),
         "start": (run.started_at or run.submitted_at).timestamp(),
@@ -222,7 +267,7 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "can_edit": can_edit,
         "resolved_spec": _yaml(run.resolved_spec),
         "live": live,
-        "chart_groups": CHART_GROUPS,
+        "chart_groups": chart_groups(run),
         "roles": run.heartbeats.order_by("role", "-attempt"),
         "events": RunEvent.objects.filter(run=run).order_by("-time", "-pk")[:50],
         "commands": Command.objects.filter(run=run).order_by("-pk")[:20],

@@ -49,6 +49,12 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from runtime.train.algos import AlgorithmError
     from runtime.train.trainer import TrainerError
 
+    if workload_gym_importable():
+        from runtime.workloads.gym import EnvSpecError, LearnerError, SamplerError
+
+        gym_errors: tuple[type[BaseException], ...] = (EnvSpecError, LearnerError, SamplerError)
+    else:
+        gym_errors = ()
     # Every error class the runtime raises for what it was given (spec, dataset rows, model directory,
     # tokenizer, checkpoint, device): the platform fails the run once on exit 2 and blames no host.
     return (
@@ -61,7 +67,15 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         RoleInputError,
         TaskError,
         TrainerError,
+        *gym_errors,
     )
+
+
+def workload_gym_importable() -> bool:
+    """Whether gymnasium is installed (a requirement; absent only in a trimmed environment)."""
+    import importlib.util
+
+    return importlib.util.find_spec("gymnasium") is not None
 
 
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
@@ -72,6 +86,11 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     from runtime.train.algos import get_algorithm
 
     resolve_device(spec.resources.device, 0)
+    if spec.workload == "gym":  # the env builds and its action space suits the learner (EnvSpecError otherwise)
+        from runtime.workloads.gym.workload import describe_env
+
+        describe_env(spec)
+        return None if resume is None else _checkpoint(resume)
     if spec.resources.device != "cpu":  # this host's devices: its trainer ranks, rollout devices, evaluator
         n = trainer_devices_here(spec) + spec.resources.rollout_devices + spec.resources.eval_devices
         resolve_device(spec.resources.device, n - 1)

@@ -171,6 +171,24 @@ ROLLOUT_SKEWNESS = "rollout/skewness"
 ROLLOUT_SORTING_WAIT = "rollout/sorting_wait"
 ROLLOUT_ACTIVE = "rollout/active_instances"
 SAMPLES_DROPPED_REWARD = "samples/dropped_reward"
+# workload gym (runtime/workloads/gym)
+EVAL_RETURN_MEAN = "eval/return_mean"
+EVAL_RETURN_MIN = "eval/return_min"
+EVAL_RETURN_MAX = "eval/return_max"
+EPISODE_RETURN_MEAN = "episode/return_mean"
+EPISODE_RETURN_MIN = "episode/return_min"
+EPISODE_RETURN_MAX = "episode/return_max"
+EPISODE_LENGTH_MEAN = "episode/length_mean"
+EPISODES = "episode/count"
+ENV_STEPS = "env/steps"
+ENV_STEPS_PER_S = "throughput/env_steps_per_s"
+APPROX_KL = "approx_kl"
+LOSS_TD = "loss/td"
+TD_ERROR = "td_error"
+Q_MEAN = "q/mean"
+EPSILON = "epsilon"
+TARGET_SYNCS = "target/syncs"
+REPLAY_SIZE = "replay/size"
 
 METRICS: dict[str, str] = {
     REWARD_MEAN: "Mean reward of the samples trained on in this step.",
@@ -210,6 +228,23 @@ METRICS: dict[str, str] = {
     ROLLOUT_SORTING_WAIT: "Async: mean seconds a ready group waited for an engine slot / mean instance busy time.",
     ROLLOUT_ACTIVE: "Async: rollout instances taking new work (dynamic parallelism follows the queue watermark).",
     SAMPLES_DROPPED_REWARD: "Samples dropped because the reward service gave no reward after retries, cumulative.",
+    EVAL_RETURN_MEAN: "Gym: mean undiscounted return of the evaluation agent's greedy episodes (evaluation steps).",
+    EVAL_RETURN_MIN: "Gym: lowest such return.",
+    EVAL_RETURN_MAX: "Gym: highest such return.",
+    EPISODE_RETURN_MEAN: "Gym: mean undiscounted return of the episodes that ended in this step's segments.",
+    EPISODE_RETURN_MIN: "Gym: lowest such return.",
+    EPISODE_RETURN_MAX: "Gym: highest such return.",
+    EPISODE_LENGTH_MEAN: "Gym: mean length (env steps) of those episodes.",
+    EPISODES: "Gym: episodes that ended in this step's segments (the return metrics are absent when 0).",
+    ENV_STEPS: "Gym: environment steps the learner has trained on since the start of the run, cumulative.",
+    ENV_STEPS_PER_S: "Gym: environment steps sampled per second of sampling time.",
+    APPROX_KL: "Gym PPO: mean k3 estimate of KL(behaviour || updated policy) over the step's minibatches.",
+    LOSS_TD: "Gym DQN: Huber loss of the TD errors, mean over the step's updates.",
+    TD_ERROR: "Gym DQN: mean |Q(s, a) - target| over the step's updates.",
+    Q_MEAN: "Gym DQN: mean Q-value of the actions taken in the sampled transitions.",
+    EPSILON: "Gym DQN: exploration rate the samplers get with this step's weights.",
+    TARGET_SYNCS: "Gym DQN: target-network syncs (hard copies or Polyak updates) since the start, cumulative.",
+    REPLAY_SIZE: "Gym DQN: transitions held in the replay buffer.",
 }
 
 

@@ -400,10 +400,86 @@ class MetricsSpec(_Section):
     tensorboard: Bool = Field(False, description="Write TensorBoard events when tensorboard is installed.")
 
 
+class EnvSpec(_Section):
+    """The environment of a ``workload: gym`` run (runtime/workloads/gym)."""
+
+    id: str | None = Field(None, description="A registered Gymnasium environment id, e.g. CartPole-v1.")
+    entry_point: str | None = Field(
+        None, description="`package.module:make_env`, a callable returning a gymnasium.Env (instead of `id`)."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env's constructor.")
+    num_envs: Int = Field(4, ge=1, le=4096, description="Env copies a sampler steps together (one vector env).")
+    segment_length: Int = Field(128, ge=1, le=100_000, description="Steps of every env copy in one segment.")
+    segments_per_step: Int = Field(1, ge=1, le=100_000, description="Segments one training step trains on.")
+    eval_episodes: Int = Field(10, ge=1, le=10_000, description="Greedy episodes of one evaluation.")
+
+
+class AgentSpec(_Section):
+    """The learner of a ``workload: gym`` run: PPO (actor + critic) or DQN (online + target Q-network)."""
+
+    algorithm: Literal["ppo", "dqn"] = Field("ppo", description="PPO (actor-critic) or DQN (double-DQN target).")
+    hidden: list[Annotated[int, Strict(), Field(ge=1, le=65536)]] = Field(
+        default_factory=lambda: [64, 64], min_length=1, max_length=16, description="Hidden layer sizes of each MLP."
+    )
+    activation: Literal["tanh", "relu"] | None = Field(
+        None, description="Between hidden layers; default PPO tanh, DQN relu."
+    )
+    normalize_obs: Bool = Field(False, description="Running observation normalisation inside the networks.")
+    gamma: Float = Field(0.99, ge=0, le=1, description="Discount.")
+    max_grad_norm: Float | None = Field(None, gt=0, description="Gradient-norm clip; default PPO 0.5, DQN 10.")
+    # PPO
+    lam: Float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
+    clip: Float = Field(0.2, gt=0, le=10, description="PPO: surrogate clip range.")
+    value_clip: Float | None = Field(None, gt=0, le=100, description="PPO: value clipping range (None: off).")
+    entropy_coef: Float = Field(0.0, ge=0, le=100, description="PPO: entropy bonus weight.")
+    epochs: Int = Field(4, ge=1, le=1000, description="PPO: passes over each step's transitions.")
+    minibatches: Int = Field(4, ge=1, le=100_000, description="PPO: minibatches per pass.")
+    actor_lr: Float = Field(3e-4, gt=0, le=1, description="PPO: Adam learning rate of the actor.")
+    critic_lr: Float = Field(1e-3, gt=0, le=1, description="PPO: Adam learning rate of the critic.")
+    # DQN
+    lr: Float = Field(1e-3, gt=0, le=1, description="DQN: Adam learning rate of the Q-network.")
+    buffer_size: Int = Field(20_000, ge=1, le=100_000_000, description="DQN: transitions the replay buffer holds.")
+    batch_size: Int = Field(64, ge=1, le=1_000_000, description="DQN: transitions per gradient update.")
+    learning_starts: Int = Field(500, ge=0, description="DQN: env steps trained on before the first update.")
+    updates_per_step: Int = Field(16, ge=1, le=100_000, description="DQN: gradient updates per training step.")
+    target_update_interval: Int = Field(1, ge=1, description="DQN: gradient updates between two target syncs.")
+    tau: Float = Field(0.01, gt=0, le=1, description="DQN: 1 copies the online network at a sync; < 1 Polyak-averages.")
+    epsilon_start: Float = Field(1.0, ge=0, le=1, description="DQN: exploration rate at the first env step.")
+    epsilon_end: Float = Field(0.02, ge=0, le=1, description="DQN: exploration rate after epsilon_decay_steps.")
+    epsilon_decay_steps: Int = Field(4000, ge=1, description="DQN: env steps of the linear epsilon decay.")
+
+    @model_validator(mode="after")
+    def _algorithm_defaults(self) -> AgentSpec:
+        # Filled here, so the resolved spec records the values that run (the defaults measured on CartPole-v1).
+        if self.activation is None:
+            self.__dict__["activation"] = "tanh" if self.algorithm == "ppo" else "relu"
+        if self.max_grad_norm is None:
+            self.__dict__["max_grad_norm"] = 0.5 if self.algorithm == "ppo" else 10.0
+        return self
+
+
+WORKLOADS = ("llm", "gym")
+# The sections only one workload reads; in the other a value other than the default is refused and the
+# resolved spec leaves the section out.
+WORKLOAD_SECTIONS: dict[str, str] = {
+    "model": "llm",
+    "task": "llm",
+    "algorithm": "llm",
+    "trainer": "llm",
+    "rollout": "llm",
+    "reward": "llm",
+    "env": "gym",
+    "agent": "gym",
+}
+
+
 class RunSpec(_Section):
     name: str = Field("run", min_length=1, max_length=200, description="Run name.")
     seed: Int = Field(0, description="Seed of every random number generator in the run.")
     output_dir: str = Field("runs/{name}", description="Where metrics, checkpoints and the resolved spec go.")
+    workload: Literal["llm", "gym"] = Field(
+        "llm", description="What the run learns: `llm` (prompts, a causal LM) or `gym` (a Gymnasium env, PPO/DQN)."
+    )
     model: ModelSpec = Field(default_factory=ModelSpec, description="Policy model.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and reward.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL objective.")
@@ -414,11 +490,13 @@ class RunSpec(_Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Devices and processes.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and retention.")
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description="Metric reporters.")
+    env: EnvSpec = Field(default_factory=EnvSpec, description="Environment (workload gym).")
+    agent: AgentSpec = Field(default_factory=AgentSpec, description="Learner and networks (workload gym).")
 
     @model_validator(mode="after")
     def _combinations(self) -> RunSpec:
-        errors: list[dict[str, str]] = []
-        if self.rollout.engine == "vllm":
+        errors: list[dict[str, str]] = self._workload_problems()
+        if self.rollout.engine == "vllm" and self.workload == "llm":
             errors.append(
                 {
                     "field": "rollout.engine",
@@ -526,8 +604,60 @@ class RunSpec(_Section):
             raise _CombinationError(errors)
         return self
 
+    def _workload_problems(self) -> list[dict[str, str]]:
+        """Fields of the other workload set away from their defaults, and what a gym run cannot do yet."""
+        errors = []
+        for section, workload in WORKLOAD_SECTIONS.items():
+            if workload == self.workload:
+                continue
+            for name in type(getattr(self, section)).model_fields:
+                path = f"{section}.{name}"
+                if _value_at(self, path) != _default_at(path):
+                    errors.append(
+                        {"field": path, "message": f"acts only with workload {workload}, not {self.workload}"}
+                    )
+        for path, workload in WORKLOAD_FIELDS.items():
+            if workload != self.workload and _value_at(self, path) != _default_at(path):
+                errors.append({"field": path, "message": f"acts only with workload {workload}, not {self.workload}"})
+        if self.workload != "gym":
+            return errors
+        if (self.env.id is None) == (self.env.entry_point is None):
+            errors.append(
+                {"field": "env.id", "message": "workload gym needs exactly one of env.id and env.entry_point"}
+            )
+        if self.env.id is not None and (problem := _unknown_env_id(self.env.id)):
+            errors.append({"field": "env.id", "message": problem})
+        if self.env.entry_point is not None and not _ENTRY_POINT.fullmatch(self.env.entry_point):
+            errors.append({"field": "env.entry_point", "message": "must look like `package.module:make_env`"})
+        if self.pipeline.mode != "sync":
+            errors.append(
+                {
+                    "field": "pipeline.mode",
+                    "message": f"workload gym runs in sync mode; its {self.pipeline.mode} mode (sampling workers "
+                    "beside the learner, or sampling on the learner's own networks) is not wired yet",
+                }
+            )
+        if self.resources.trainer_devices > 1:
+            errors.append({"field": "resources.trainer_devices", "message": "workload gym trains on one device"})
+        if self.agent.algorithm == "ppo" and self.agent.minibatches > self.env.num_envs * self.env.segment_length:
+            errors.append(
+                {
+                    "field": "agent.minibatches",
+                    "message": f"{self.agent.minibatches} minibatches of a step's "
+                    f"{self.env.num_envs * self.env.segment_length} transitions per segment leave some empty",
+                }
+            )
+        return errors
+
+    @property
+    def items_per_step(self) -> int:
+        """Work items one training step consumes: prompts (llm) or segments (gym)."""
+        return self.env.segments_per_step if self.workload == "gym" else self.pipeline.prompts_per_step
+
     @property
     def samples_per_step(self) -> int:
+        if self.workload == "gym":
+            return self.env.segments_per_step
         return self.pipeline.prompts_per_step * self.algorithm.group_size
 
     @property
@@ -535,20 +665,29 @@ class RunSpec(_Section):
         return self.pipeline.queue_capacity or 5 * self.samples_per_step
 
     def acts(self, path: str) -> bool:
-        """Whether the knob at ``path`` acts in this spec: in its mode (MODE_ONLY) and with its algorithm and
-        task (ACTS_ONLY_WITH); every other knob always does."""
+        """Whether the knob at ``path`` acts in this spec: with its workload (WORKLOAD_SECTIONS,
+        WORKLOAD_FIELDS), in its mode (MODE_ONLY) and with its algorithm and task (ACTS_ONLY_WITH); every
+        other knob always does."""
+        section = path.split(".")[0]
+        if WORKLOAD_SECTIONS.get(section, self.workload) != self.workload:
+            return False
+        if WORKLOAD_FIELDS.get(path, self.workload) != self.workload:
+            return False
         modes = MODE_ONLY.get(path)
         condition = ACTS_ONLY_WITH.get(path)
         return (modes is None or self.pipeline.mode in modes) and (condition is None or condition[0](self))
 
     def resolved(self) -> dict[str, Any]:
-        """The full spec with every default filled in (JSON-compatible), less the knobs that do not act in
-        it (MODE_ONLY, ACTS_ONLY_WITH): it records what runs."""
+        """The full spec with every default filled in (JSON-compatible), less the sections of the other
+        workload and the knobs that do not act in it (MODE_ONLY, ACTS_ONLY_WITH): it records what runs."""
         data = self.model_dump(mode="json")
-        for path in (*MODE_ONLY, *ACTS_ONLY_WITH):
-            if not self.acts(path):
-                section, name = path.split(".")
-                del data[section][name]
+        for section, workload in WORKLOAD_SECTIONS.items():
+            if workload != self.workload:
+                del data[section]
+        for path in (*WORKLOAD_FIELDS, *MODE_ONLY, *ACTS_ONLY_WITH):
+            section, name = path.split(".")
+            if not self.acts(path) and section in data:
+                data[section].pop(name, None)
         return data
 
     def resolved_output_dir(self) -> Path:
@@ -588,6 +727,38 @@ MODE_ONLY: dict[str, tuple[str, ...]] = {
 }
 
 
+# Fields outside the workload sections that only one workload reads (its items per step are env.segments_per_step).
+WORKLOAD_FIELDS: dict[str, str] = {
+    "pipeline.prompts_per_step": "llm",
+    "pipeline.offload_optimizer": "llm",  # a gym learner's optimizer state is a few kilobytes
+}
+_PPO_AGENT_FIELDS = ("lam", "clip", "value_clip", "entropy_coef", "epochs", "minibatches", "actor_lr", "critic_lr")
+_DQN_AGENT_FIELDS = (
+    "lr",
+    "buffer_size",
+    "batch_size",
+    "learning_starts",
+    "updates_per_step",
+    "target_update_interval",
+    "tau",
+    "epsilon_start",
+    "epsilon_end",
+    "epsilon_decay_steps",
+)
+_ENTRY_POINT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def _unknown_env_id(env_id: str) -> str | None:
+    """Why Gymnasium's registry has no ``env_id`` (None when it has)."""
+    import gymnasium
+
+    try:
+        gymnasium.spec(env_id)
+    except gymnasium.error.Error as exc:
+        return f"no registered Gymnasium environment {env_id!r} ({exc})"
+    return None
+
+
 # Knobs that act only with some algorithms or tasks: path -> (whether it acts in a spec, what it needs).
 # Elsewhere a value other than the default is refused and the resolved spec leaves the knob out, as for
 # MODE_ONLY. A plug-in algorithm (``package.module:factory``) chooses its advantages and whether it has a
@@ -608,7 +779,17 @@ def _jsonl_task(spec: RunSpec) -> bool:
     return spec.task.name == "jsonl"  # built-in tasks score with their own rule
 
 
+def _ppo_agent(spec: RunSpec) -> bool:
+    return spec.agent.algorithm == "ppo"
+
+
+def _dqn_agent(spec: RunSpec) -> bool:
+    return spec.agent.algorithm == "dqn"
+
+
 ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
+    **{f"agent.{name}": (_ppo_agent, "agent.algorithm ppo") for name in _PPO_AGENT_FIELDS},
+    **{f"agent.{name}": (_dqn_agent, "agent.algorithm dqn") for name in _DQN_AGENT_FIELDS},
     "algorithm.gamma": (_gae_or_plugin, "algorithm.name ppo (GAE advantages)"),
     "algorithm.lam": (_gae_or_plugin, "algorithm.name ppo (GAE advantages)"),
     "algorithm.value_clip": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
@@ -640,7 +821,7 @@ def _default_at(path: str) -> Any:
     section, name = path.split(".")
     model = RunSpec.model_fields[section].annotation
     assert isinstance(model, type) and issubclass(model, BaseModel)
-    return model.model_fields[name].default
+    return getattr(model(), name)  # a section's defaults as validated (factories called, validators run)
 
 
 class _CombinationError(ValueError):

@@ -54,11 +54,9 @@ from runtime import metrics as M
 from runtime.contract import (
     BUBBLE_TRAINER,
     CHECKPOINT_DIR,
-    EVAL_ACCURACY,
     EVENT_CHECKPOINT,
     EVENT_RESUME,
     EVENT_ROLLBACK,
-    GEN_TOKENS_PER_S,
     OUTCOME_CANCELLED,
     OUTCOME_COMPLETED,
     OUTCOME_OF_COMMAND,
@@ -354,7 +352,8 @@ class RunContext:
     def record_eval(self, step: int, metrics: dict) -> None:
         self.evals.append({"step": step, **metrics})
         self.reporters.report(step, metrics)
-        self.reporters.event("eval", {"step": step, EVAL_ACCURACY: metrics[EVAL_ACCURACY]})
+        headline = self.workload.eval_metric
+        self.reporters.event("eval", {"step": step, headline: metrics[headline]})
 
     def step_metrics(
         self, trained: dict[str, float], split: dict[str, float], step_s: float, samples: list[Sample], gen_tokens: int
@@ -362,7 +361,7 @@ class RunContext:
         out = dict(trained)
         out.update(split)
         gen_s = split[TIME_GENERATE]
-        out[GEN_TOKENS_PER_S] = gen_tokens / gen_s if gen_s > 0 else 0.0
+        out[self.workload.units_per_s_metric] = gen_tokens / gen_s if gen_s > 0 else 0.0
         out[SAMPLES_PER_S] = len(samples) / step_s if step_s > 0 else 0.0
         out[BUBBLE_TRAINER] = M.bubble_fraction(split[TIME_WAIT], step_s)
         out[SAMPLES_DROPPED_STALE] = self.dropped_total

@@ -44,7 +44,7 @@ class InlineMode:
     def run(self) -> dict[str, Any]:
         ctx, spec, trainer = self.ctx, self.ctx.spec, self.ctx.trainer
         offload = self.colocated and spec.pipeline.offload_optimizer
-        P = spec.pipeline.prompts_per_step
+        P = spec.items_per_step
 
         step = ctx.start_step
         if ctx.eval_due(step):

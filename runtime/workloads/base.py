@@ -56,6 +56,8 @@ class Workload(Protocol):
     """What the pipeline builds and calls for a run; stateless, so every process builds its own."""
 
     name: str
+    eval_metric: str  # the metric an evaluation event carries (runtime.contract), e.g. eval/accuracy
+    units_per_s_metric: str  # the throughput metric of what generate() counts (tokens, env steps)
 
     # ---- the trainer's side ----
     def build_models(self, spec: RunSpec, device: Any) -> Any:
@@ -126,7 +128,9 @@ class Workload(Protocol):
 
 
 def workload_for(spec: RunSpec) -> Workload:
-    """The workload that runs ``spec``. Today every spec is an LLM run; a second workload (the Gymnasium
-    one) would be picked by a spec field naming it (say ``workload: gym``, with its own sections),
-    looked up here in a table of name -> class."""
+    """The workload that runs ``spec``, named by its ``workload`` field (gymnasium is imported only for a gym run)."""
+    if spec.workload == "gym":
+        from runtime.workloads.gym.workload import GymWorkload
+
+        return GymWorkload()
     return LLMWorkload()

@@ -49,6 +49,18 @@ def test_run_page_embeds_what_its_script_needs(client, editor, viewer, experimen
     assert 'data-command="pause"' not in html and 'id="controls"' not in html
 
 
+def test_a_gym_run_page_charts_returns_and_its_learner_not_tokens(client, editor, owner, experiment):
+    from jobs import handler
+
+    run, _ = handler.submit_run(owner, experiment, "name: cartpole\nworkload: gym\nenv:\n  id: CartPole-v1\n")
+    client.force_login(editor)
+    html = client.get(f"/runs/{run.pk}/").content.decode()
+    live = json.loads(html.split('<script id="run-live" type="application/json">')[1].split("</script>")[0])
+    assert [g["title"] for g in live["groups"]] == ["Returns", "Learner", "Throughput & time split"]
+    assert 'data-keys="episode/return_mean,episode/return_min,episode/return_max"' in html
+    assert "gen_tokens_per_s" not in html and "Response length" not in html
+
+
 def test_cluster_page_shows_the_queue_with_position_and_reason(
     client, viewer, make_experiment, team_a, cpu_group, submit
 ):

@@ -209,7 +209,25 @@ def _tiny_runs(mode: str, tmp_path: Path, files: Path, reward_url: str) -> list[
     )
     # the whole section: a built-in task's sizes do not act on a jsonl one (runtime.spec.ACTS_ONLY_WITH)
     from_files["task"] = {"name": "jsonl", "path": str(files / "train.jsonl"), "eval_path": str(files / "eval.jsonl")}
-    return [tiny_spec(tmp_path, "builtin", **every_step), tiny_spec(tmp_path, "files", from_files, **every_step)]
+    llm = [tiny_spec(tmp_path, "builtin", **every_step), tiny_spec(tmp_path, "files", from_files, **every_step)]
+    return llm + (_gym_runs(tmp_path) if mode == "sync" else [])  # workload gym runs in sync mode only
+
+
+def _gym_runs(tmp_path: Path) -> list[RunSpec]:
+    """Two tiny gym runs, PPO and DQN (each reads its own agent knobs), evaluating and checkpointing every step."""
+    specs = []
+    for algorithm, extra in (("ppo", {"value_clip": 0.2}), ("dqn", {"learning_starts": 16, "updates_per_step": 2})):
+        data = {
+            "name": f"gym-{algorithm}",
+            "workload": "gym",
+            "output_dir": str(tmp_path / f"gym-{algorithm}"),
+            "env": {"id": "CartPole-v1", "num_envs": 2, "segment_length": 8, "eval_episodes": 1},
+            "agent": {"algorithm": algorithm, **extra},
+            "pipeline": {"mode": "sync", "steps": 2, "eval_interval": 1},
+            "checkpoint": {"interval": 1, "keep_best_metric": "eval/return_mean"},
+        }
+        specs.append(load_spec(data))
+    return specs
 
 
 def test_the_recorder_sees_run_reads_and_not_loading_validation_or_resolution(recorded, tmp_path):
@@ -219,7 +237,7 @@ def test_the_recorder_sees_run_reads_and_not_loading_validation_or_resolution(re
     spec.model_copy(deep=True)
     assert recorded.everywhere() == set()
     assert spec.trainer.lr and spec.samples_per_step  # a property reads for its caller
-    assert recorded.everywhere() == {"trainer.lr", "pipeline.prompts_per_step", "algorithm.group_size"}
+    assert recorded.everywhere() == {"trainer.lr", "workload", "pipeline.prompts_per_step", "algorithm.group_size"}
 
 
 def test_the_exempt_fields_are_spec_fields_each_with_a_reason():

@@ -109,10 +109,20 @@ WITH = {
     "task.max_len": (4, {"task": {"name": "copy"}}, {"task": JSONL}),
     "task.verifier": ("numeric", {"task": JSONL}, {"task": {"name": "copy"}}),
 }
+# workload gym: each learner's knobs act with its algorithm only
+_GYM = {"workload": "gym", "env": {"id": "CartPole-v1"}}
+_PPO, _DQN = {**_GYM, "agent": {"algorithm": "ppo"}}, {**_GYM, "agent": {"algorithm": "dqn"}}
+_PPO_VALUES = {"lam": 0.9, "clip": 0.3, "value_clip": 0.5, "entropy_coef": 0.01}
+_PPO_VALUES |= {"epochs": 2, "minibatches": 2, "actor_lr": 1e-3, "critic_lr": 3e-4}
+_DQN_VALUES = {"lr": 3e-4, "buffer_size": 1000, "batch_size": 32, "learning_starts": 100, "updates_per_step": 4}
+_DQN_VALUES |= {"target_update_interval": 10, "tau": 1.0, "epsilon_start": 0.5, "epsilon_end": 0.05}
+_DQN_VALUES |= {"epsilon_decay_steps": 1000}
+WITH |= {f"agent.{name}": (value, _PPO, _DQN) for name, value in _PPO_VALUES.items()}
+WITH |= {f"agent.{name}": (value, _DQN, _PPO) for name, value in _DQN_VALUES.items()}
 
 
 def _with(base: dict, path: str, value) -> dict:
-    data = {section: dict(fields) for section, fields in base.items()}
+    data = {section: dict(fields) if isinstance(fields, dict) else fields for section, fields in base.items()}
     section, name = path.split(".")
     data.setdefault(section, {})[name] = value
     return data

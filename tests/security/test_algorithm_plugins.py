@@ -89,3 +89,20 @@ def test_the_allow_list_matches_whole_module_names():
             True,
             False,
         ]
+
+
+@pytest.mark.parametrize(("entry_point", "status"), [("os:getcwd", 400), ("team_envs.grid:make_env", 201)])
+def test_a_gym_env_entry_point_is_confined_like_a_plugin_and_a_registered_env_is_not(
+    as_user, owner, team_a, experiment, settings, entry_point, status
+):
+    settings.TANDEM_ALGORITHM_PLUGINS = ["team_envs"]
+    spec = f"name: env\nworkload: gym\nenv:\n  entry_point: '{entry_point}'\n"
+
+    response = _submit(as_user, owner, team_a, spec)
+
+    assert response.status_code == status, response.content
+    if status == 400:
+        [error] = response.json()["errors"]
+        assert error["field"] == "env.entry_point" and "TANDEM_ALGORITHM_PLUGINS" in error["message"]
+    registered = _submit(as_user, owner, team_a, "name: cartpole\nworkload: gym\nenv:\n  id: CartPole-v1\n")
+    assert registered.status_code == 201, registered.content

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from runtime.contract import EVAL_ACCURACY, GEN_TOKENS_PER_S
 from runtime.evaluation.evaluator import evaluate
 from runtime.models import build_policy, save_hf
 from runtime.sample_queue import pack_samples, unpack_samples
@@ -29,6 +30,8 @@ class LLMWorkload:
     """Prompts in, groups of token sequences out, scored by the task; the policy is a causal LM."""
 
     name = "llm"
+    eval_metric = EVAL_ACCURACY  # what an evaluation event carries
+    units_per_s_metric = GEN_TOKENS_PER_S  # what generate()'s units are
 
     # ---- the trainer's side ----
     def build_models(self, spec: RunSpec, device: torch.device) -> Models:

@@ -42,10 +42,21 @@ def test_the_llm_workload_implements_the_protocol(tmp_path):
     assert mismatches(workload, Workload) == []
 
 
+def test_the_gym_workload_implements_the_protocol():
+    from runtime.spec import load_spec
+    from runtime.workloads.gym.workload import GymWorkload
+
+    workload = workload_for(load_spec({"workload": "gym", "env": {"id": "CartPole-v1"}}))
+    assert isinstance(workload, GymWorkload) and isinstance(workload, Workload)
+    assert mismatches(workload, Workload) == []
+
+
 class _Counting:
     """A workload in name only: no LLM type anywhere, every method a stub."""
 
     name = "counting"
+    eval_metric = "eval/accuracy"
+    units_per_s_metric = "throughput/gen_tokens_per_s"
 
     def build_models(self, spec, device): ...
     def build_trainer(self, spec, models, device, group=None): ...
