@@ -170,6 +170,12 @@ else:
         "store_processed": False,
     }
     CELERY_RESULT_BACKEND = f"file://{_celery_dir / 'results'}"
+    # No event loop on this broker: Celery would give a prefork worker billiard's blocking pool, whose
+    # processes share one lock on the task pipe. A SIGTERM that reaches them as well as the worker (a
+    # process-group kill, pkill -f, a service manager) can leave that lock held by a dead process, and the
+    # worker's exit then waits on it forever (the pool's exit finalizer). The local worker's tasks are short
+    # database passes and process launches: threads run them without processes to lose.
+    CELERY_WORKER_POOL = "threads"
 # Eager: tasks run inside the caller (no worker at all); for scripts and debugging.
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_EAGER_PROPAGATES = True

@@ -3,8 +3,11 @@
 The agent's and the role supervisor's ``worker_shutdown`` hooks (rlplatform.agent, jobs.supervisor) stop
 their threads with short joins and mark the host offline through ``bounded`` (a stalled database, or
 SQLite's 20 s lock wait, cannot hold the worker). Once the hooks have run, Celery has stopped its pool and
-only the interpreter's exit is left; ``arm_exit_guard`` then ends the process if that exit hangs (a
-non-daemon thread of a library still blocked, as seen after a double SIGTERM), naming the threads it found.
+only the interpreter's exit is left; ``arm_exit_guard`` then ends the process if that exit hangs, naming the
+threads it found. A backstop, not the way a worker ends: the hang it was added for (a worker on the
+filesystem broker, SIGTERM sent to its pool processes too) was billiard's pool finalizer waiting for a lock
+that a killed pool process held; such a worker runs the threads pool now (rlplatform/settings.py), and
+tests/platform/test_demo_shutdown.py checks that its exit is its own.
 """
 
 from __future__ import annotations

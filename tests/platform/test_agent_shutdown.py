@@ -1,6 +1,8 @@
-"""A host agent (a real ``celery -A rlplatform worker`` with its role supervisor, as `make demo` starts it:
-prefork pool, Redis broker, PostgreSQL) ends on SIGTERM, and on a second SIGTERM during its warm shutdown,
-within 10 s, by itself (rlplatform.shutdown's exit guard never had to end it), with its host offline."""
+"""A host agent (a real ``celery -A rlplatform worker`` with its role supervisor: prefork pool, Redis broker,
+PostgreSQL, as deployed) ends on SIGTERM, and on a second SIGTERM during its warm shutdown, within 10 s, by
+itself (rlplatform.shutdown's exit guard never had to end it), with its host offline; also when the signals
+reach its pool processes too (a process-group kill, a service manager). `make demo`'s worker, on the
+embedded defaults: tests/platform/test_demo_shutdown.py."""
 
 from __future__ import annotations
 
@@ -36,8 +38,12 @@ def _redis_url() -> str:
     return urlunsplit(urlsplit(os.environ["REDIS_URL"])._replace(path=f"/{AGENT_REDIS_DB}"))
 
 
-@pytest.mark.parametrize("sigterms", [1, 2], ids=["one SIGTERM", "two SIGTERMs"])
-def test_the_host_agent_ends_within_seconds_on_sigterm_and_marks_its_host_offline(tmp_path, sigterms):
+@pytest.mark.parametrize(
+    ("to_group", "sigterms"),
+    [(False, 1), (False, 2), (True, 2)],
+    ids=["one SIGTERM", "two SIGTERMs", "two SIGTERMs to its process group"],
+)
+def test_the_host_agent_ends_within_seconds_on_sigterm_and_marks_its_host_offline(tmp_path, to_group, sigterms):
     if connection.vendor != "postgresql":
         pytest.skip("a worker process cannot share an SQLite test database; set DATABASE_URL to PostgreSQL")
     name = f"stop-{uuid.uuid4().hex[:8]}"
@@ -59,21 +65,31 @@ def test_the_host_agent_ends_within_seconds_on_sigterm_and_marks_its_host_offlin
     command = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--concurrency", "2"]
     command += ["-n", f"{name}@%h", "-Q", f"idle.{name}", "--without-gossip", "--without-mingle", "-l", "INFO"]
     with log.open("w") as out:
-        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # A session of its own: a group kill reaches the worker's processes and nothing else.
+        worker = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def sigterm() -> None:
+        if to_group:
+            os.killpg(worker.pid, signal.SIGTERM)
+        else:
+            worker.send_signal(signal.SIGTERM)
+
     try:
         _wait_for(lambda: Host.objects.filter(name=name, status="online").exists(), "register its host", log)
         _wait_for(lambda: "ready." in log.read_text(), "get ready", log)
-        worker.send_signal(signal.SIGTERM)
+        sigterm()
         if sigterms == 2:  # the second arrives while the first's warm shutdown is under way
             _wait_for(lambda: "Warm shutdown" in log.read_text(), "start its warm shutdown", log)
-            worker.send_signal(signal.SIGTERM)
+            sigterm()
         try:
             worker.wait(timeout=EXIT_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the worker did not exit within {EXIT_S:g} s of SIGTERM; its log:\n{log.read_text()[-4000:]}")
     finally:
         if worker.poll() is None:
-            worker.kill()
+            os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
         redis.Redis.from_url(_redis_url()).flushdb()
     text = log.read_text()
