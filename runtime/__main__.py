@@ -87,7 +87,7 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
 
     resolve_device(spec.resources.device, 0)
     if spec.workload == "gym":  # the env builds and its action space suits the learner (EnvSpecError otherwise)
-        from runtime.workloads.gym.workload import describe_env
+        from runtime.workloads.gym.build import describe_env
 
         describe_env(spec)
         return None if resume is None else _checkpoint(resume)

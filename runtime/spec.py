@@ -612,13 +612,18 @@ class RunSpec(_Section):
                 continue
             for name in type(getattr(self, section)).model_fields:
                 path = f"{section}.{name}"
-                if _value_at(self, path) != _default_at(path):
+                if path not in WORKLOAD_FIELDS and _value_at(self, path) != _default_at(path):
                     errors.append(
                         {"field": path, "message": f"acts only with workload {workload}, not {self.workload}"}
                     )
-        for path, workload in WORKLOAD_FIELDS.items():
-            if workload != self.workload and _value_at(self, path) != _default_at(path):
-                errors.append({"field": path, "message": f"acts only with workload {workload}, not {self.workload}"})
+        for path, workloads in WORKLOAD_FIELDS.items():
+            if self.workload not in workloads and _value_at(self, path) != _default_at(path):
+                errors.append(
+                    {
+                        "field": path,
+                        "message": f"acts only with workload {' or '.join(workloads)}, not {self.workload}",
+                    }
+                )
         if self.workload != "gym":
             return errors
         if (self.env.id is None) == (self.env.entry_point is None):
@@ -629,12 +634,12 @@ class RunSpec(_Section):
             errors.append({"field": "env.id", "message": problem})
         if self.env.entry_point is not None and not _ENTRY_POINT.fullmatch(self.env.entry_point):
             errors.append({"field": "env.entry_point", "message": "must look like `package.module:make_env`"})
-        if self.pipeline.mode != "sync":
+        if self.pipeline.mode == "colocated":
             errors.append(
                 {
                     "field": "pipeline.mode",
-                    "message": f"workload gym runs in sync mode; its {self.pipeline.mode} mode (sampling workers "
-                    "beside the learner, or sampling on the learner's own networks) is not wired yet",
+                    "message": "workload gym runs in sync or async mode; colocated (sampling on the learner's own "
+                    "networks) is not wired yet",
                 }
             )
         if self.resources.trainer_devices > 1:
@@ -655,6 +660,19 @@ class RunSpec(_Section):
         return self.env.segments_per_step if self.workload == "gym" else self.pipeline.prompts_per_step
 
     @property
+    def samples_per_item(self) -> int:
+        """Samples one work item makes: a prompt's group (llm), one segment (gym)."""
+        return 1 if self.workload == "gym" else self.algorithm.group_size
+
+    @property
+    def items_per_message(self) -> int:
+        """Work items an async rollout instance is sent at once (an llm engine batches groups; a gym sampler
+        makes one segment at a time)."""
+        if self.workload == "gym":
+            return 1
+        return max(1, min(self.pipeline.prompts_per_step, self.rollout.max_batch_size // self.algorithm.group_size))
+
+    @property
     def samples_per_step(self) -> int:
         if self.workload == "gym":
             return self.env.segments_per_step
@@ -669,9 +687,10 @@ class RunSpec(_Section):
         WORKLOAD_FIELDS), in its mode (MODE_ONLY) and with its algorithm and task (ACTS_ONLY_WITH); every
         other knob always does."""
         section = path.split(".")[0]
-        if WORKLOAD_SECTIONS.get(section, self.workload) != self.workload:
-            return False
-        if WORKLOAD_FIELDS.get(path, self.workload) != self.workload:
+        if path in WORKLOAD_FIELDS:
+            if self.workload not in WORKLOAD_FIELDS[path]:
+                return False
+        elif WORKLOAD_SECTIONS.get(section, self.workload) != self.workload:
             return False
         modes = MODE_ONLY.get(path)
         condition = ACTS_ONLY_WITH.get(path)
@@ -683,7 +702,10 @@ class RunSpec(_Section):
         data = self.model_dump(mode="json")
         for section, workload in WORKLOAD_SECTIONS.items():
             if workload != self.workload:
-                del data[section]
+                kept = {p.split(".")[1] for p in WORKLOAD_FIELDS if p.startswith(f"{section}.") and self.acts(p)}
+                data[section] = {k: v for k, v in data[section].items() if k in kept}
+                if not data[section]:
+                    del data[section]
         for path in (*WORKLOAD_FIELDS, *MODE_ONLY, *ACTS_ONLY_WITH):
             section, name = path.split(".")
             if not self.acts(path) and section in data:
@@ -727,10 +749,19 @@ MODE_ONLY: dict[str, tuple[str, ...]] = {
 }
 
 
-# Fields outside the workload sections that only one workload reads (its items per step are env.segments_per_step).
-WORKLOAD_FIELDS: dict[str, str] = {
-    "pipeline.prompts_per_step": "llm",
-    "pipeline.offload_optimizer": "llm",  # a gym learner's optimizer state is a few kilobytes
+# Fields that only some workloads read, beside (or inside) the workload sections: path -> those workloads.
+# A gym step takes env.segments_per_step segments; its samplers send one segment per message, on no TCP link.
+WORKLOAD_FIELDS: dict[str, tuple[str, ...]] = {
+    "pipeline.prompts_per_step": ("llm",),
+    "pipeline.offload_optimizer": ("llm",),  # a gym learner's optimizer state is a few kilobytes
+    "pipeline.transfer_max_bytes": ("llm",),
+    "pipeline.transfer_window_s": ("llm",),
+    "pipeline.rollout_listen": ("llm",),
+    "pipeline.rollout_reconnect_s": ("llm",),
+    "pipeline.remote_weight_sync": ("llm",),
+    "resources.remote_rollout_workers": ("llm",),
+    "resources.remote_evaluator": ("llm",),
+    "rollout.hang_timeout_s": ("llm", "gym"),  # in the llm section, but a gym sampler can hang too
 }
 _PPO_AGENT_FIELDS = ("lam", "clip", "value_clip", "entropy_coef", "epochs", "minibatches", "actor_lr", "critic_lr")
 _DQN_AGENT_FIELDS = (

@@ -45,7 +45,7 @@ class AsyncMode:
     def __init__(self, ctx: RunContext):
         spec = ctx.spec
         self.ctx = ctx
-        self.G = spec.algorithm.group_size
+        self.G = spec.samples_per_item
         self.B = spec.samples_per_step
         self.policy = spec.pipeline.on_lag_exceeded
         self.queue = SampleQueue(

@@ -36,10 +36,10 @@ class InstancePool:
         self.ctx = ctx
         self.ledger = ledger
         self.queue = queue
-        self.group_size = spec.algorithm.group_size
+        self.group_size = spec.samples_per_item
         self.step_samples = spec.samples_per_step
         self.throttle = spec.pipeline.on_lag_exceeded == "throttle"
-        self.per_message = max(1, min(spec.pipeline.prompts_per_step, spec.rollout.max_batch_size // self.group_size))
+        self.per_message = spec.items_per_message
         self.scaler = _scaler(spec)
         self.restarts = [0] * spec.resources.rollout_workers  # of each local instance
         self.mp = torch.multiprocessing.get_context("spawn")
@@ -154,7 +154,7 @@ class InstancePool:
     def _assign(self, item: Any, active: list[int], live: dict[int, InstanceSlot]) -> tuple[int, int]:
         """The instance that takes ``item``, and its ticket; the caller holds the ledger's lock."""
         ledger = self.ledger
-        cost = ledger.predicted_tokens(item)
+        cost = ledger.predicted_cost(item)
         rank = cast(int, ledger.dispatcher.choose(cost, among=active))
         ticket = ledger.next_ticket
         ledger.next_ticket += 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from runtime.contract import SAMPLES_DROPPED_REWARD
 from runtime.pipeline.driver import pack_queue, unpack_queue
-from runtime.rollout.scheduling import BubbleMeter, Dispatcher, LengthPredictor
+from runtime.rollout.scheduling import BubbleMeter, Dispatcher
 from runtime.rollout.transfer import ShmCourier
 from runtime.rollout.wire import from_bytes
 from runtime.sample_queue import QueueClosed, SampleQueue
@@ -58,8 +58,7 @@ class RolloutLedger:
         self.weights = weights
         self.workload = workload
         self.source = source  # unpacks the work items of a checkpoint
-        self.group_size = spec.algorithm.group_size
-        self.task_name = spec.task.name
+        self.group_size = spec.samples_per_item
         self.lock = threading.Lock()  # guards everything below + queue puts against a checkpoint snapshot
         self.slots: list[InstanceSlot] = []
         self.owner: dict[int, tuple[InstanceSlot, int]] = {}
@@ -69,7 +68,7 @@ class RolloutLedger:
         self.gen_s = 0.0
         self.gen_tokens = 0
         self.dispatcher = Dispatcher(ranks)
-        self.predictor = LengthPredictor(spec.rollout.max_new_tokens, spec.rollout.length_prediction)
+        self.cost = workload.work_cost(spec)  # what dispatch weighs a work item by (llm: predicted tokens)
         self.meter = BubbleMeter(ranks)
         self.reward_dropped: list[int] = []  # issue indices of groups that lost a reward (this process)
         self.reward_dropped_before = 0  # groups that lost a reward before the checkpoint this run resumed from
@@ -83,10 +82,9 @@ class RolloutLedger:
         self.slots.append(slot)
         self.dispatcher.restore(slot.rank)
 
-    def predicted_tokens(self, item: Any) -> float:
-        """The group's predicted generation work: group size x predicted response length."""
-        p = item.prompt
-        return self.group_size * self.predictor.predict(p.prompt_id, self.task_name, len(p.text))
+    def predicted_cost(self, item: Any) -> float:
+        """The work item's predicted generation work, in the units instances measure their throughput in."""
+        return self.cost.predict(item)
 
     def receive(self) -> None:
         """Receiver thread: rollout messages -> queue, until every process has exited and its pipe is drained."""
@@ -144,8 +142,7 @@ class RolloutLedger:
                     else:
                         accepted.add(item.index)
                 kept = [s for s in samples if s.group_id in accepted]
-                for s in kept:
-                    self.predictor.observe(s.prompt_id, self.task_name, len(s.prompt_ids), len(s.response_ids))
+                self.cost.observe(kept)
                 if not kept:
                     return
                 # never blocks: the trainer only issues work the queue has room for

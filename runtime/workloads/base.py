@@ -52,6 +52,18 @@ class DataSource(Protocol):
 
 
 @runtime_checkable
+class WorkCost(Protocol):
+    """How much generation a work item asks for, in the units rollout instances measure their throughput in
+    (the async dispatch sends each item to the instance that would finish it soonest)."""
+
+    def predict(self, item: Any) -> float: ...
+
+    def observe(self, samples: list[Any]) -> None:
+        """Learn from finished samples (the llm's: their response lengths)."""
+        ...
+
+
+@runtime_checkable
 class Workload(Protocol):
     """What the pipeline builds and calls for a run; stateless, so every process builds its own."""
 
@@ -102,6 +114,10 @@ class Workload(Protocol):
         """Async mode, inside a spawned rollout process (:mod:`runtime.rollout.instance`): the instance that
         ``run(work_q, ended)`` takes work items and sends samples on ``conn`` per that module's protocol,
         taking weights from the subscriber ``weights``; then ``close()``."""
+        ...
+
+    def work_cost(self, spec: RunSpec) -> WorkCost:
+        """Async mode: the trainer's estimate of each work item's generation work."""
         ...
 
     def pack_samples(self, samples: list[Any]) -> dict[str, Any]:

@@ -37,6 +37,10 @@ consistency/logprob_diff_mean consistency/logprob_diff_max consistency/kl weight
 # the rollout bubbles and dynamic parallelism of the multi-instance rollout, and reward-service drops
 CONTRACT_NAMES += """rollout/padding_ratio rollout/skewness rollout/sorting_wait rollout/active_instances
 samples/dropped_reward""".split()
+# workload gym: evaluation and episode returns, env steps, and the PPO / DQN learners' own
+CONTRACT_NAMES += """eval/return_mean eval/return_min eval/return_max episode/return_mean episode/return_min
+episode/return_max episode/length_mean episode/count env/steps throughput/env_steps_per_s approx_kl loss/td
+td_error q/mean epsilon target/syncs replay/size""".split()
 
 
 def test_metric_names_are_exactly_the_contract_ones_with_meanings():

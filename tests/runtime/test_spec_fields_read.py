@@ -210,12 +210,13 @@ def _tiny_runs(mode: str, tmp_path: Path, files: Path, reward_url: str) -> list[
     # the whole section: a built-in task's sizes do not act on a jsonl one (runtime.spec.ACTS_ONLY_WITH)
     from_files["task"] = {"name": "jsonl", "path": str(files / "train.jsonl"), "eval_path": str(files / "eval.jsonl")}
     llm = [tiny_spec(tmp_path, "builtin", **every_step), tiny_spec(tmp_path, "files", from_files, **every_step)]
-    return llm + (_gym_runs(tmp_path) if mode == "sync" else [])  # workload gym runs in sync mode only
+    return llm + (_gym_runs(tmp_path, mode) if mode != "colocated" else [])  # gym: sync and async
 
 
-def _gym_runs(tmp_path: Path) -> list[RunSpec]:
+def _gym_runs(tmp_path: Path, mode: str) -> list[RunSpec]:
     """Two tiny gym runs, PPO and DQN (each reads its own agent knobs), evaluating and checkpointing every step."""
     specs = []
+    sampling = {"resources": {"rollout_workers": 1}} if mode == "async" else {}
     for algorithm, extra in (("ppo", {"value_clip": 0.2}), ("dqn", {"learning_starts": 16, "updates_per_step": 2})):
         data = {
             "name": f"gym-{algorithm}",
@@ -223,8 +224,9 @@ def _gym_runs(tmp_path: Path) -> list[RunSpec]:
             "output_dir": str(tmp_path / f"gym-{algorithm}"),
             "env": {"id": "CartPole-v1", "num_envs": 2, "segment_length": 8, "eval_episodes": 1},
             "agent": {"algorithm": algorithm, **extra},
-            "pipeline": {"mode": "sync", "steps": 2, "eval_interval": 1},
+            "pipeline": {"mode": mode, "steps": 2, "eval_interval": 1},
             "checkpoint": {"interval": 1, "keep_best_metric": "eval/return_mean"},
+            **sampling,
         }
         specs.append(load_spec(data))
     return specs

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.rollout.scheduling import LengthPredictor
 from runtime.samples import Prompt, Sample
 
 
@@ -86,3 +87,21 @@ class PromptSource:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cursor = int(state["cursor"])
         self.reissue = deque(WorkItem.unpack(d) for d in state["reissue"])
+
+
+class TokenCost:
+    """A group's predicted generation work: group size x its prompt's predicted response length
+    (:class:`~runtime.rollout.scheduling.LengthPredictor`, learning from every finished sample)."""
+
+    def __init__(self, spec: Any):
+        self.group_size = spec.algorithm.group_size
+        self.task_name = spec.task.name
+        self.predictor = LengthPredictor(spec.rollout.max_new_tokens, spec.rollout.length_prediction)
+
+    def predict(self, item: WorkItem) -> float:
+        p = item.prompt
+        return self.group_size * self.predictor.predict(p.prompt_id, self.task_name, len(p.text))
+
+    def observe(self, samples: list[Any]) -> None:
+        for s in samples:
+            self.predictor.observe(s.prompt_id, self.task_name, len(s.prompt_ids), len(s.response_ids))

@@ -19,7 +19,7 @@ from runtime.sample_queue import pack_samples, unpack_samples
 from runtime.samples import Sample
 from runtime.spec import RunSpec
 from runtime.train.trainer import Trainer
-from runtime.workloads.llm.data import PromptSource
+from runtime.workloads.llm.data import PromptSource, TokenCost
 from runtime.workloads.llm.generation import RolloutWorker
 from runtime.workloads.llm.instance import RolloutInstance, build_instance
 from runtime.workloads.llm.models import Models, build_engine, build_models, build_task
@@ -68,6 +68,9 @@ class LLMWorkload:
         self, rank: int, spec: RunSpec, device: torch.device, weights: Any, conn: Any, flags: Any
     ) -> RolloutInstance:
         return build_instance(rank, spec, device, weights, conn, flags)
+
+    def work_cost(self, spec: RunSpec) -> TokenCost:
+        return TokenCost(spec)
 
     def pack_samples(self, samples: list[Sample]) -> dict[str, Any]:
         return pack_samples(samples)

@@ -79,8 +79,12 @@ def test_a_resumed_sync_gym_run_continues_bit_identically(tmp_path, algorithm):
         ({"env": {"entry_point": "not an entry point", "id": None}}, "env.entry_point"),
         ({"model": {"builtin": "tiny-llama"}}, "model.builtin"),
         ({"pipeline": {"prompts_per_step": 4}}, "pipeline.prompts_per_step"),
-        ({"pipeline": {"mode": "async"}}, "pipeline.mode"),
         ({"pipeline": {"mode": "colocated"}}, "pipeline.mode"),
+        (
+            {"pipeline": {"mode": "async"}, "resources": {"remote_rollout_workers": 1}},
+            "resources.remote_rollout_workers",
+        ),
+        ({"pipeline": {"mode": "async", "transfer_window_s": 1.0}}, "pipeline.transfer_window_s"),
         ({"agent": {"algorithm": "ppo", "tau": 0.5}}, "agent.tau"),
         ({"agent": {"algorithm": "dqn", "epochs": 2}}, "agent.epochs"),
         ({"resources": {"trainer_devices": 2}}, "resources.trainer_devices"),

@@ -1,0 +1,80 @@
+"""What every process of a gym run builds from its spec: the learner's configuration, the env (its spaces
+checked against the learner), and the policy a sampler or the evaluation agent runs (``PolicyEngine``)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import torch
+
+from runtime.spec import RunSpec
+from runtime.workloads.gym.envs import SpaceInfo, check_algorithm, describe_spaces, env_field, make_env
+from runtime.workloads.gym.learners import DQNConfig, PPOConfig, sampling_policy
+
+
+def learner_config(spec: RunSpec) -> PPOConfig | DQNConfig:
+    """The learner's configuration from the spec's ``agent`` section (its validator filled the algorithm's
+    defaults of ``activation`` and ``max_grad_norm``)."""
+    a = spec.agent
+    assert a.activation is not None and a.max_grad_norm is not None
+    if a.algorithm == "ppo":
+        return PPOConfig(
+            hidden=tuple(a.hidden),
+            activation=a.activation,
+            normalize_obs=a.normalize_obs,
+            gamma=a.gamma,
+            max_grad_norm=a.max_grad_norm,
+            lam=a.lam,
+            clip=a.clip,
+            value_clip=a.value_clip,
+            entropy_coef=a.entropy_coef,
+            epochs=a.epochs,
+            minibatches=a.minibatches,
+            actor_lr=a.actor_lr,
+            critic_lr=a.critic_lr,
+        )
+    return DQNConfig(
+        hidden=tuple(a.hidden),
+        activation=a.activation,
+        normalize_obs=a.normalize_obs,
+        gamma=a.gamma,
+        max_grad_norm=a.max_grad_norm,
+        lr=a.lr,
+        buffer_size=a.buffer_size,
+        batch_size=a.batch_size,
+        learning_starts=a.learning_starts,
+        updates_per_step=a.updates_per_step,
+        target_update_interval=a.target_update_interval,
+        tau=a.tau,
+        epsilon_start=a.epsilon_start,
+        epsilon_end=a.epsilon_end,
+        epsilon_decay_steps=a.epsilon_decay_steps,
+    )
+
+
+def one_env(spec: RunSpec) -> gym.Env:
+    return make_env(spec.env.id, spec.env.entry_point, spec.env.kwargs)
+
+
+def describe_env(spec: RunSpec) -> SpaceInfo:
+    """The env's spaces, checked against the learner (raises EnvSpecError naming the field): the preflight."""
+    env = one_env(spec)
+    try:
+        space = describe_spaces(env, env_field(spec.env.id))
+    finally:
+        env.close()
+    check_algorithm(space, spec.agent.algorithm, env_field(spec.env.id))
+    return space
+
+
+class PolicyEngine:
+    """A sampling (or evaluation) policy that takes published weights: ``update_weights(state, version)``."""
+
+    def __init__(self, space: SpaceInfo, cfg: PPOConfig | DQNConfig, device: torch.device):
+        self.policy = sampling_policy(space, cfg).to(device)
+        self.policy.eval()
+        self.version = 0
+
+    def update_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        if state is not None:
+            self.policy.load_state_dict(state)
+        self.version = version
