@@ -90,3 +90,15 @@ def test_a_killed_sampling_worker_is_replaced_and_no_segment_is_lost_or_trained_
     assert len(consumed) == 12 and result["trace"]["dropped"] == []
     steps, _ = read_jsonl(tmp_path / "g" / "metrics.jsonl")
     assert [r[STALENESS_MAX] for r in steps if STALENESS_MAX in r] == [0] * 6
+
+
+def test_an_async_run_resumed_from_its_checkpoint_trains_every_segment_once(tmp_path):
+    # the first half stops at step 3 with segments in the queue and in flight; the second takes them over
+    first = run(_spec(tmp_path, steps=3))
+    checkpoint = first["checkpoint"]
+    second = run(_spec(tmp_path, steps=6), resume=checkpoint)  # in place, as a restarted role resumes
+    assert second["steps"] == 6
+    consumed = [g for step in first["trace"]["consumed"] + second["trace"]["consumed"] for g in step]
+    everything = consumed + second["trace"]["dropped"] + second["trace"]["leftover"]
+    assert len(consumed) == 12 and len(everything) == len(set(everything))  # none twice
+    assert set(everything) == set(range(max(everything) + 1))  # none lost
