@@ -13,9 +13,8 @@ the host services registered with ``on_host_ready`` (the role supervisor,
 jobs.supervisor).
 
 The heartbeat loop is a thread of the worker's main process, not a task on
-the host's queue: role tasks occupy the worker's pool slots for a run's whole
-life, so a heartbeat task would wait behind them and a busy host would look
-dead. The thread probes the devices (health), writes the heartbeat through
+the host's queue: a heartbeat task would wait behind whatever tasks fill the
+worker's pool slots, and a busy host would look dead. The thread probes the devices (health), writes the heartbeat through
 rlplatform.hosts, re-registers when the platform forgot the host or a device
 appeared, and retries registration until it succeeds (the database or the
 group may not be there yet when the worker starts).
