@@ -48,13 +48,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from runtime.tasks import TaskError
     from runtime.train.algos import AlgorithmError
     from runtime.train.trainer import TrainerError
+    from runtime.workloads.gym.errors import EnvSpecError, LearnerError, SamplerError
 
-    if workload_gym_importable():
-        from runtime.workloads.gym import EnvSpecError, LearnerError, SamplerError
-
-        gym_errors: tuple[type[BaseException], ...] = (EnvSpecError, LearnerError, SamplerError)
-    else:
-        gym_errors = ()
     # Every error class the runtime raises for what it was given (spec, dataset rows, model directory,
     # tokenizer, checkpoint, device): the platform fails the run once on exit 2 and blames no host.
     return (
@@ -67,15 +62,10 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         RoleInputError,
         TaskError,
         TrainerError,
-        *gym_errors,
+        EnvSpecError,
+        LearnerError,
+        SamplerError,
     )
-
-
-def workload_gym_importable() -> bool:
-    """Whether gymnasium is installed (a requirement; absent only in a trimmed environment)."""
-    import importlib.util
-
-    return importlib.util.find_spec("gymnasium") is not None
 
 
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:

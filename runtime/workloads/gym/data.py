@@ -19,6 +19,10 @@ class SegmentItem:
     def pack(self) -> dict[str, Any]:
         return {"index": self.index, "min_version": self.min_version, "pinned": self.pinned}
 
+    @classmethod
+    def unpack(cls, packed: dict[str, Any]) -> SegmentItem:
+        return cls(int(packed["index"]), int(packed["min_version"]), bool(packed.get("pinned", False)))
+
 
 class SegmentSource:
     """The data cursor: segment indices in order, re-issued ones first; its state carries the sampler's."""
@@ -46,7 +50,7 @@ class SegmentSource:
         self.give_back([SegmentItem(s.group_id) for s in stale], min_version)
 
     def unpack_item(self, packed: dict[str, Any]) -> SegmentItem:
-        return SegmentItem(int(packed["index"]), int(packed["min_version"]), bool(packed.get("pinned", False)))
+        return SegmentItem.unpack(packed)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -26,19 +26,13 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch import Tensor
 
+from runtime.workloads.gym.errors import EnvSpecError
+
 ActionKind = Literal["discrete", "box"]
 
 # What each algorithm can act in: DQN picks an action by argmax over a finite set.
 ACTION_KINDS: dict[str, tuple[ActionKind, ...]] = {"ppo": ("discrete", "box"), "dqn": ("discrete",)}
 _SPACE_NAMES: dict[str, str] = {"discrete": "Discrete", "box": "Box"}
-
-
-class EnvSpecError(ValueError):
-    """A bad ``env`` section: ``field`` is the spec field at fault (``env.id``, ``env.entry_point``, ``env.kwargs``)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class GymRolloutInstance:
                     if msg is None:
                         return
                     epoch, entries = msg
-                    held += [(epoch, ticket, _unpack(packed)) for ticket, packed in entries]
+                    held += [(epoch, ticket, SegmentItem.unpack(packed)) for ticket, packed in entries]
                     msg = work_q.get_nowait()
             except std_queue.Empty:
                 pass
@@ -119,10 +119,6 @@ class GymRolloutInstance:
 
     def close(self) -> None:
         self.sampler.envs.close()
-
-
-def _unpack(packed: dict[str, Any]) -> SegmentItem:
-    return SegmentItem(int(packed["index"]), int(packed["min_version"]), bool(packed.get("pinned", False)))
 
 
 class SegmentCost:

@@ -50,6 +50,7 @@ from runtime.train.algos.control import (
 )
 from runtime.workloads.gym import metric_names as N
 from runtime.workloads.gym.envs import SpaceInfo
+from runtime.workloads.gym.errors import LearnerError
 from runtime.workloads.gym.networks import (
     Activation,
     CategoricalActor,
@@ -61,10 +62,6 @@ from runtime.workloads.gym.networks import (
 )
 from runtime.workloads.gym.replay import ReplayBuffer
 from runtime.workloads.gym.segments import Segment
-
-
-class LearnerError(ValueError):
-    """Bad learner configuration or state (the message names the field)."""
 
 
 @dataclass(frozen=True)

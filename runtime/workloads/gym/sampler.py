@@ -35,12 +35,9 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch import Tensor
 
 from runtime.workloads.gym.envs import SpaceInfo, episode_seed, to_env_actions, worker_seeds
+from runtime.workloads.gym.errors import SamplerError
 from runtime.workloads.gym.networks import Policy
 from runtime.workloads.gym.segments import Segment
-
-
-class SamplerError(ValueError):
-    """A vector env the sampler cannot drive, or a state that is not this sampler's."""
 
 
 class PolicySource(Protocol):

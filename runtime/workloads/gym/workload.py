@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,8 +136,6 @@ class GymWorkload:
 
     def evaluate(self, spec: RunSpec, engine: PolicyEngine, task: GymTask) -> dict[str, float]:
         """Greedy episodes of the engine's policy on the evaluation env (the same seeds every time)."""
-        import time
-
         started = time.perf_counter()
         returns = greedy_returns(
             engine.policy, task.eval_env, task.space, spec.env.eval_episodes, seed=spec.seed + EVAL_SEED_OFFSET
