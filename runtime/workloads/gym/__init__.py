@@ -13,54 +13,11 @@
   :func:`sampling_policy` (the module a sampler loads published weights into).
 * :mod:`~runtime.workloads.gym.evaluation` — :func:`greedy_returns` (the evaluation agent's episodes).
 * :mod:`~runtime.workloads.gym.metric_names` — the metrics the learners report.
+* :mod:`~runtime.workloads.gym.errors` — the input errors (no gymnasium import: the CLI classes them early).
+* :mod:`~runtime.workloads.gym.build`, :mod:`~runtime.workloads.gym.data`, :mod:`~runtime.workloads.gym.instance`,
+  :mod:`~runtime.workloads.gym.workload` — the spec's learner and env, work items and the cursor, the async
+  sampling worker, and :class:`GymWorkload` (the ``Workload`` protocol).
 
-The math is in :mod:`runtime.train.algos.control`. Not yet wired: the ``Workload`` class, the spec
-section, the data source and the async sampling worker.
+The math is in :mod:`runtime.train.algos.control`. Import from the submodules: this package imports
+nothing, so importing one light submodule does not import gymnasium or torch.
 """
-
-from runtime.workloads.gym.envs import (
-    ACTION_KINDS,
-    EnvSpecError,
-    SpaceInfo,
-    check_algorithm,
-    describe_spaces,
-    env_field,
-    episode_seed,
-    make_env,
-    make_vector_env,
-    worker_seeds,
-)
-from runtime.workloads.gym.evaluation import greedy_returns
-from runtime.workloads.gym.learners import DQNConfig, DQNLearner, LearnerError, PPOConfig, PPOLearner, sampling_policy
-from runtime.workloads.gym.replay import ReplayBuffer, Transitions
-from runtime.workloads.gym.sampler import FixedPolicy, PolicySource, SamplerError, SegmentSampler
-from runtime.workloads.gym.segments import Segment, pack_segments, unpack_segments
-
-__all__ = [
-    "ACTION_KINDS",
-    "DQNConfig",
-    "DQNLearner",
-    "EnvSpecError",
-    "FixedPolicy",
-    "LearnerError",
-    "PPOConfig",
-    "PPOLearner",
-    "PolicySource",
-    "ReplayBuffer",
-    "SamplerError",
-    "Segment",
-    "SegmentSampler",
-    "SpaceInfo",
-    "Transitions",
-    "check_algorithm",
-    "describe_spaces",
-    "env_field",
-    "episode_seed",
-    "greedy_returns",
-    "make_env",
-    "make_vector_env",
-    "pack_segments",
-    "sampling_policy",
-    "unpack_segments",
-    "worker_seeds",
-]
