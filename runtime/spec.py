@@ -750,16 +750,14 @@ MODE_ONLY: dict[str, tuple[str, ...]] = {
 
 
 # Fields that only some workloads read, beside (or inside) the workload sections: path -> those workloads.
-# A gym step takes env.segments_per_step segments; its samplers send one segment per message, on no TCP link.
+# A gym step takes env.segments_per_step segments; its samplers send one segment per message; its policy's
+# weights are kilobytes, pushed on the link to remote samplers; its evaluation agent runs beside the learner.
 WORKLOAD_FIELDS: dict[str, tuple[str, ...]] = {
     "pipeline.prompts_per_step": ("llm",),
     "pipeline.offload_optimizer": ("llm",),  # a gym learner's optimizer state is a few kilobytes
     "pipeline.transfer_max_bytes": ("llm",),
     "pipeline.transfer_window_s": ("llm",),
-    "pipeline.rollout_listen": ("llm",),
-    "pipeline.rollout_reconnect_s": ("llm",),
     "pipeline.remote_weight_sync": ("llm",),
-    "resources.remote_rollout_workers": ("llm",),
     "resources.remote_evaluator": ("llm",),
     "rollout.hang_timeout_s": ("llm", "gym"),  # in the llm section, but a gym sampler can hang too
 }

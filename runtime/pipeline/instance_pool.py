@@ -64,7 +64,16 @@ class InstancePool:
         work_q = self.mp.Queue()
         proc = self.mp.Process(
             target=rollout_process,
-            args=(rank, self.ctx.spec.resolved(), self.shared, work_q, send, self.flags, self.ctx.rollout_threads),
+            args=(
+                rank,
+                self.ctx.spec.resolved(),
+                self.shared,
+                work_q,
+                send,
+                self.flags,
+                self.ctx.rollout_threads,
+                self.ledger.states.get(rank),  # where this rank's last accepted samples left it
+            ),
             name=f"rollout-{rank}",
             daemon=True,
         )

@@ -88,7 +88,10 @@ class RemotePeers:
             first, last = r.rollout_workers, r.all_rollout_workers - 1
             return f"rank {rank!r} is not a remote rollout rank of this run ({first}..{last})", False
         if hello.get("digest") != spec_digest(spec):
-            return "its spec differs from the trainer's (model, task, rollout, reward, group size or seed)", False
+            what = (
+                "env, agent or seed" if spec.workload == "gym" else "model, task, rollout, reward, group size or seed"
+            )
+            return f"its spec differs from the trainer's ({what})", False
         with self.ledger.lock:
             if self.pool.closing:
                 return "the trainer is shutting down", True
@@ -100,6 +103,9 @@ class RemotePeers:
     def _take(self, conn: Any, hello: dict[str, Any], rank: int) -> None:
         """Welcome an admitted rollout instance into the pool; the caller holds the ledger's lock."""
         welcome: dict[str, Any] = {"epoch": int(self.pool.flags[EPOCH])}
+        state = self.ledger.states.get(rank)  # where this rank's last accepted samples left it
+        if state is not None:
+            welcome["state"] = state
         broadcast = self._broadcast_sender()
         if broadcast is not None:
             welcome["broadcast"] = {**broadcast.welcome, "address": self.endpoint_address}

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
+import torch
+
 from runtime.contract import SAMPLES_DROPPED_REWARD
 from runtime.pipeline.driver import pack_queue, unpack_queue
 from runtime.rollout.scheduling import BubbleMeter, Dispatcher
@@ -74,6 +76,8 @@ class RolloutLedger:
         self.reward_dropped_before = 0  # groups that lost a reward before the checkpoint this run resumed from
         self.reward_counts: dict[str, float] = {}  # reward-service counters, run totals
         self.circuit_open: dict[int, float] = {}
+        # rank -> the state its instance reported with its last accepted samples (runtime.rollout.instance)
+        self.states: dict[int, bytes] = {}
         self.error: str | None = None
         self.done = False  # set once every rollout process has exited
 
@@ -145,6 +149,8 @@ class RolloutLedger:
                 self.cost.observe(kept)
                 if not kept:
                     return
+                if info.get("state") is not None:
+                    self.states[slot.rank] = info["state"]
                 # never blocks: the trainer only issues work the queue has room for
                 try:
                     if not self.queue.put(kept, timeout=60):
@@ -201,7 +207,14 @@ class RolloutLedger:
             snap = self.queue.snapshot()
             in_flight = [it.pack() for it in self.in_flight.values()]
             counters = self.counters_state()
-        return {"queue": pack_queue(snap, self.workload), "in_flight": in_flight, "reward": counters}
+            states = dict(self.states)
+        return {
+            "queue": pack_queue(snap, self.workload),
+            "in_flight": in_flight,
+            "reward": counters,
+            # bytes as uint8 tensors: what torch.load(weights_only=True) reads
+            "instance_states": {rank: torch.frombuffer(bytearray(b), dtype=torch.uint8) for rank, b in states.items()},
+        }
 
     def load_state(self, state: dict[str, Any], offset: int = 0) -> list[Any]:
         """A checkpoint's queue and reward counters; returns its work in flight, to be issued again first.
@@ -210,6 +223,9 @@ class RolloutLedger:
             self.queue.clear()
             self.queue.restore(unpack_queue(state["queue"], self.workload, offset))
             self.load_counters(state.get("reward"))
+            # absent in checkpoints from before instances reported state: they start fresh
+            saved = state.get("instance_states", {})
+            self.states = {int(rank): bytes(t.numpy().tobytes()) for rank, t in saved.items()}
         in_flight = [self.source.unpack_item(d) for d in state["in_flight"]]
         for item in in_flight:
             item.min_version += offset

@@ -12,6 +12,12 @@ second (the trainer kills an instance silent for ``rollout.hang_timeout_s``); ``
 and ``info`` its accounting (the LLM's: :mod:`runtime.workloads.llm.instance`);
 ``("error", rank, traceback)``; ``("exit", rank, None)``. The shared ``flags`` hold the run's stop
 flag and the epoch a rollback bumps (:mod:`runtime.rollout.wire`).
+
+Instance state. An instance whose output depends on more than its work items (a gym sampler's running
+episodes and action RNG) puts ``info["state"]`` (bytes) in each ``samples`` message: where it stands
+after those samples. The trainer keeps the last one of each rank whose samples it accepted, in its
+checkpoints too, and hands it to the next instance of that rank (a replacement, or the instances of a
+resumed run), which continues from it: the samples it produces follow on from the last ones trained.
 """
 
 from __future__ import annotations
@@ -28,7 +34,16 @@ from runtime.weights.service import WeightSubscriber
 from runtime.workloads.base import workload_for
 
 
-def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, conn: Any, flags: Any, threads: int) -> None:
+def rollout_process(
+    rank: int,
+    spec_data: dict,
+    shared: Any,
+    work_q: Any,
+    conn: Any,
+    flags: Any,
+    threads: int,
+    state: bytes | None = None,
+) -> None:
     """Entry point of one rollout instance process (see the module docstring for the protocol).
 
     Nothing here is shared with the other instances except the weight buffer (whose lock the
@@ -47,7 +62,7 @@ def rollout_process(rank: int, spec_data: dict, shared: Any, work_q: Any, conn: 
         spec = validate_spec(spec_data)
         device = resolve_device(spec.resources.device, rollout_device_index(spec, rank))
         sub = WeightSubscriber(shared, current_version=-1)
-        instance = workload_for(spec).rollout_instance(rank, spec, device, sub, conn, flags)
+        instance = workload_for(spec).rollout_instance(rank, spec, device, sub, conn, flags, state)
         conn.send(("ready", rank, os.getpid()))
         instance.run(work_q, ended)
     except (BrokenPipeError, ConnectionResetError):

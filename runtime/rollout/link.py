@@ -134,11 +134,15 @@ def advertised_address(bind_host: str, environ: Any = os.environ) -> str:
 
 
 def spec_digest(spec: Any) -> str:
-    """What must agree between the trainer and an instance for its samples to be right: the model, the
-    task, the generation and reward settings, the group size and the seed."""
+    """What must agree between the trainer and an instance for its samples to be right: for an LLM run the
+    model, the task, the generation and reward settings, the group size and the seed; for a gym run the
+    env, the agent (its networks) and the seed."""
     d = spec.resolved()
-    same = {k: d[k] for k in ("model", "task", "rollout", "reward", "seed")}
-    same["group_size"] = d["algorithm"]["group_size"]
+    if d.get("workload") == "gym":
+        same = {k: d[k] for k in ("workload", "env", "agent", "seed")}
+    else:
+        same = {k: d[k] for k in ("model", "task", "rollout", "reward", "seed")}
+        same["group_size"] = d["algorithm"]["group_size"]
     return hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -3,10 +3,12 @@
     python -m runtime rollout SPEC.yaml --index I [--endpoint FILE] [key.sub=value ...]   (standalone)
     python -m runtime role rollout --spec FILE --workdir DIR                            (platform role)
 
-It builds its engine once, then serves the trainer one connection (a *session*) at a time: find the
-trainer in the endpoint file, connect and authenticate (:mod:`runtime.rollout.link`), and run the
-same :class:`~runtime.rollout.instance.RolloutInstance` loop as a local instance on the work, weights
-and flags that arrive over the connection. When the trainer goes away without ending the run — it
+It builds its workload's generator once (``Workload.remote_rollout``: the LLM's engine, the gym's policy
+and envs), then serves the trainer one connection (a *session*) at a time: find the trainer in the
+endpoint file, connect and authenticate (:mod:`runtime.rollout.link`), and run the same instance loop
+as a local instance of its workload on the work, weights and flags that arrive over the connection,
+continuing from the state the trainer's welcome carries (what this rank last reported with accepted
+samples; a gym sampler's episodes). When the trainer goes away without ending the run — it
 failed and restarts from its last checkpoint — the instance looks for it again, for up to
 ``pipeline.rollout_reconnect_s``; the trainer re-issues whatever this instance had not returned.
 
@@ -40,10 +42,7 @@ from runtime.rollout.link import (
     spec_digest,
 )
 from runtime.rollout.wire import EPOCH, STOP
-
-# A remote instance is the LLM workload's today: it builds that workload's engine, task and instance loop
-# (the Workload protocol's rollout_instance is shaped for a spawned local process with shared weights).
-from runtime.workloads.llm import RolloutInstance, build_engine, build_task
+from runtime.workloads.base import workload_for
 
 RETRY_S = 1.0  # between looks at the endpoint file while there is no trainer to talk to
 
@@ -88,11 +87,11 @@ class NetSubscriber:
 
 
 class RemoteInstance:
-    """The instance's engine, task and identity, kept across sessions with (restarted) trainers."""
+    """The instance's identity and its workload's generator (``Workload.remote_rollout``: the LLM's engine and
+    task, the gym's policy and envs), kept across sessions with (restarted) trainers."""
 
     def __init__(self, spec: Any, index: int, log: Callable[[str], None] = print):
         from runtime.devices import resolve_device, set_threads
-        from runtime.models import build_policy
 
         r = spec.resources
         if not 0 <= index < r.remote_rollout_workers:
@@ -106,18 +105,18 @@ class RemoteInstance:
             set_threads(r.threads_per_process)
         # the platform makes this role's one device visible as index 0
         self.device = resolve_device(r.device, 0)
-        policy, self.tokenizer = build_policy(spec.model, self.device, seed=spec.seed)
-        policy.eval()
-        self.engine = build_engine(policy, self.tokenizer, self.device, spec)
-        self.task = build_task(spec)
+        self.generator = workload_for(spec).remote_rollout(self.rank, spec, self.device)
         self.hello = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "digest": spec_digest(spec)}
         self.sessions = 0
 
     def serve(self, endpoint_path: Path, key: bytes | None, status: Callable[[str], None] = lambda s: None) -> int:
         """Serve trainers until the run ends (0) or none is found for ``rollout_reconnect_s`` (3)."""
-        return serve_trainers(
-            self.spec, endpoint_path, key, self.hello, f"rank {self.rank}", self.session, self.log, status
-        )
+        try:
+            return serve_trainers(
+                self.spec, endpoint_path, key, self.hello, f"rank {self.rank}", self.session, self.log, status
+            )
+        finally:
+            self.generator.close()
 
     def session(self, conn: Any, welcome: dict[str, Any]) -> bool:
         """Generate for one connected trainer; True when it ended the run, False when it went away."""
@@ -126,7 +125,6 @@ class RemoteInstance:
         flags = [0, int(welcome.get("epoch", 0))]  # [STOP, EPOCH], as the trainer's shared flags
         sub = NetSubscriber()
         ended = {"stop": False, "gone": False}
-        self.engine.update_weights(None, -1)  # no work runs before this trainer's weights arrive
         broadcast = _broadcast_receiver_for(self.spec, self.device, welcome.get("broadcast"))
 
         def receive() -> None:
@@ -154,9 +152,9 @@ class RemoteInstance:
 
         receiver = threading.Thread(target=receive, name="rollout-receiver", daemon=True)
         receiver.start()
-        instance = RolloutInstance(
-            self.rank, self.spec, self.engine, self.tokenizer, self.task, sub, conn, flags, shm=False
-        )
+        # the state this rank last reported with accepted samples, as the trainer kept it (its checkpoint's
+        # after a restart): the instance continues from there
+        instance = self.generator.session(sub, conn, flags, welcome.get("state"))
         try:
             conn.send(("ready", self.rank, os.getpid()))
             instance.run(work_q, lambda: bool(flags[STOP]) or ended["gone"])

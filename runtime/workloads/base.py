@@ -110,10 +110,21 @@ class Workload(Protocol):
         ``reward`` is a remote reward client (``metrics()``) or None."""
         ...
 
-    def rollout_instance(self, rank: int, spec: RunSpec, device: Any, weights: Any, conn: Any, flags: Any) -> Any:
+    def rollout_instance(
+        self, rank: int, spec: RunSpec, device: Any, weights: Any, conn: Any, flags: Any, state: bytes | None = None
+    ) -> Any:
         """Async mode, inside a spawned rollout process (:mod:`runtime.rollout.instance`): the instance that
         ``run(work_q, ended)`` takes work items and sends samples on ``conn`` per that module's protocol,
-        taking weights from the subscriber ``weights``; then ``close()``."""
+        taking weights from the subscriber ``weights``; then ``close()``. ``state`` is what an instance of
+        this rank last reported with accepted samples (``info["state"]``, see that module), to continue from;
+        None for a fresh start."""
+        ...
+
+    def remote_rollout(self, rank: int, spec: RunSpec, device: Any) -> Any:
+        """Async mode, a remote rollout instance's process (:mod:`runtime.rollout.remote`): what it builds once
+        and keeps across sessions with (restarted) trainers. ``session(weights, conn, flags, state)`` returns
+        the instance loop for one connection (as :meth:`rollout_instance`'s; its ``close()`` ends the session
+        only); ``close()`` at exit."""
         ...
 
     def work_cost(self, spec: RunSpec) -> WorkCost:

@@ -9,12 +9,21 @@ the oldest of them (what the sample queue's lag bound reads). A work item with a
 ``throttle`` policy) waits for those weights first.
 
 Each worker's envs are seeded by (run seed, rank + 1): distinct from the other workers' and from the sync
-mode's sampler (worker 0). A replaced worker starts fresh episodes; its unfinished segment was withdrawn
-by the trainer and is sampled again by another worker, so no segment is lost or trained on twice.
+mode's sampler (worker 0). Every ``samples`` message carries the sampler's state after its segment
+(``info["state"]``: the action generator, each copy's episode seed and the actions taken in it); the
+trainer keeps the last accepted one of each rank, in its checkpoints too, and a worker that replaces a
+dead one, or starts a resumed run, continues from it — the episodes go on where the last segment
+trained left them. A dead worker's unfinished segment was withdrawn by the trainer and is sampled again,
+so no segment is lost or trained on twice.
+
+Where the worker runs: a spawned process of the trainer's host (:func:`local_instance`, from
+:mod:`runtime.rollout.instance`), or a process of another host (:class:`RemoteGymRollout`, from
+:mod:`runtime.rollout.remote`), which keeps its envs across sessions with (restarted) trainers.
 
 The ``samples`` message's ``info`` (read by :mod:`runtime.pipeline.rollout_ledger`): ``tickets`` (one),
 ``dropped`` (none: no reward service), ``gen_s`` (seconds sampling), ``tokens`` / ``real`` /
-``allocated`` (env steps: a vector env wastes no slot), ``waits`` (none), ``throttled_s`` and ``reward`` ({}).
+``allocated`` (env steps: a vector env wastes no slot), ``waits`` (none), ``throttled_s``, ``reward``
+({}) and ``state``.
 """
 
 from __future__ import annotations
@@ -26,30 +35,34 @@ from typing import Any
 
 import torch
 
-from runtime.rollout.wire import BEAT_S, EPOCH, shm_prefix, to_bytes
+from runtime.rollout.wire import BEAT_S, EPOCH, from_bytes, shm_prefix, to_bytes
 from runtime.spec import RunSpec
-from runtime.workloads.gym.build import PolicyEngine, describe_env, learner_config
+from runtime.workloads.gym.build import PolicyEngine, describe_env, learner_config, one_env
 from runtime.workloads.gym.data import SegmentItem
-from runtime.workloads.gym.envs import make_env, make_vector_env
+from runtime.workloads.gym.envs import make_vector_env
 from runtime.workloads.gym.networks import Policy
 from runtime.workloads.gym.sampler import SegmentSampler
 from runtime.workloads.gym.segments import Segment, pack_segments
 
 
 class GymRolloutInstance:
-    """One sampling worker's loop; built inside the spawned process by :func:`build_gym_instance`."""
+    """One sampling worker's loop over its policy (``engine``) and envs (``sampler``)."""
 
-    def __init__(self, rank: int, spec: RunSpec, device: torch.device, sub: Any, conn: Any, flags: Any):
-        self.rank, self.sub, self.conn, self.flags = rank, sub, conn, flags
-        space = describe_env(spec)
-        self.engine = PolicyEngine(space, learner_config(spec), device)
-        envs = make_vector_env(lambda: make_env(spec.env.id, spec.env.entry_point, spec.env.kwargs), spec.env.num_envs)
-        self.sampler = SegmentSampler(envs, space, spec.env.segment_length, seed=spec.seed, worker=rank + 1)
-        self.courier = None
-        if spec.pipeline.transfer_shm_min_bytes is not None:  # the trainer is on this host (a local worker)
-            from runtime.rollout.transfer import ShmCourier
-
-            self.courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), spec.pipeline.transfer_shm_min_bytes)
+    def __init__(
+        self,
+        rank: int,
+        engine: PolicyEngine,
+        sampler: SegmentSampler,
+        sub: Any,
+        conn: Any,
+        flags: Any,
+        courier: Any = None,
+        owns_envs: bool = True,
+    ):
+        self.rank, self.engine, self.sampler = rank, engine, sampler
+        self.sub, self.conn, self.flags = sub, conn, flags
+        self.courier = courier  # shared memory for large segments when the trainer is on this host
+        self.owns_envs = owns_envs  # a remote worker's envs outlive the session
         self.last_beat = 0.0
         self.throttled_s = 0.0
 
@@ -112,10 +125,53 @@ class GymRolloutInstance:
             "waits": [],
             "throttled_s": self.throttled_s,
             "reward": {},
+            "state": to_bytes(self.sampler.state_dict()),  # where the next segment starts
         }
         self.throttled_s = 0.0
         blob = to_bytes(pack_segments([segment]))
         self.conn.send(("samples", self.rank, (self.courier.wrap(blob) if self.courier else blob, info)))
+
+    def close(self) -> None:
+        if self.owns_envs:
+            self.sampler.envs.close()
+
+
+def sampling_worker(rank: int, spec: RunSpec, device: torch.device) -> tuple[PolicyEngine, SegmentSampler]:
+    """Worker ``rank``'s policy and envs, its envs seeded apart from every other worker's."""
+    space = describe_env(spec)
+    engine = PolicyEngine(space, learner_config(spec), device)
+    envs = make_vector_env(lambda: one_env(spec), spec.env.num_envs)
+    return engine, SegmentSampler(envs, space, spec.env.segment_length, seed=spec.seed, worker=rank + 1)
+
+
+def local_instance(
+    rank: int, spec: RunSpec, device: torch.device, sub: Any, conn: Any, flags: Any, state: bytes | None
+) -> GymRolloutInstance:
+    """A worker in a process the trainer spawned; ``state``: where this rank's last accepted segment left off."""
+    engine, sampler = sampling_worker(rank, spec, device)
+    if state is not None:
+        sampler.load_state_dict(from_bytes(state))
+    courier = None
+    if spec.pipeline.transfer_shm_min_bytes is not None:
+        from runtime.rollout.transfer import ShmCourier
+
+        courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), spec.pipeline.transfer_shm_min_bytes)
+    return GymRolloutInstance(rank, engine, sampler, sub, conn, flags, courier)
+
+
+class RemoteGymRollout:
+    """A worker on another host: its policy and envs, kept across sessions with (restarted) trainers."""
+
+    def __init__(self, rank: int, spec: RunSpec, device: torch.device):
+        self.rank = rank
+        self.engine, self.sampler = sampling_worker(rank, spec, device)
+
+    def session(self, sub: Any, conn: Any, flags: Any, state: bytes | None = None) -> GymRolloutInstance:
+        """The loop for one trainer. With ``state`` (the trainer's record of this rank) the envs continue from
+        it; without (the trainer has none yet) they go on from where this process left them."""
+        if state is not None:
+            self.sampler.load_state_dict(from_bytes(state))
+        return GymRolloutInstance(self.rank, self.engine, self.sampler, sub, conn, flags, owns_envs=False)
 
     def close(self) -> None:
         self.sampler.envs.close()

@@ -28,7 +28,7 @@ from runtime.workloads.gym.build import PolicyEngine, describe_env, learner_conf
 from runtime.workloads.gym.data import SegmentItem, SegmentSource
 from runtime.workloads.gym.envs import SpaceInfo, make_vector_env
 from runtime.workloads.gym.evaluation import greedy_returns
-from runtime.workloads.gym.instance import GymRolloutInstance, NoProbe, SegmentCost
+from runtime.workloads.gym.instance import GymRolloutInstance, NoProbe, RemoteGymRollout, SegmentCost, local_instance
 from runtime.workloads.gym.learners import DQNConfig, DQNLearner, PPOConfig, PPOLearner
 from runtime.workloads.gym.sampler import FixedPolicy, SegmentSampler
 from runtime.workloads.gym.segments import Segment, pack_segments, unpack_segments
@@ -116,8 +116,13 @@ class GymWorkload:
     ) -> SegmentGenerator:
         return SegmentGenerator(PolicyEngine(models.space, models.cfg, device), task.sampler)
 
-    def rollout_instance(self, rank: int, spec: RunSpec, device: Any, weights: Any, conn: Any, flags: Any) -> Any:
-        return GymRolloutInstance(rank, spec, device, weights, conn, flags)
+    def rollout_instance(
+        self, rank: int, spec: RunSpec, device: Any, weights: Any, conn: Any, flags: Any, state: bytes | None = None
+    ) -> GymRolloutInstance:
+        return local_instance(rank, spec, device, weights, conn, flags, state)
+
+    def remote_rollout(self, rank: int, spec: RunSpec, device: Any) -> RemoteGymRollout:
+        return RemoteGymRollout(rank, spec, device)
 
     def work_cost(self, spec: RunSpec) -> Any:
         return SegmentCost(spec)

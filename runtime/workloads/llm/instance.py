@@ -285,3 +285,26 @@ def build_instance(rank: int, spec: Any, device: torch.device, sub: Any, conn: A
     policy.eval()
     engine = build_engine(policy, tokenizer, device, spec)
     return RolloutInstance(rank, spec, engine, tokenizer, build_task(spec), sub, conn, flags)
+
+
+class RemoteLLMRollout:
+    """A remote instance's engine and task (:mod:`runtime.rollout.remote`), built once and kept across sessions
+    with (restarted) trainers: loading a model is the slow part of a reconnection."""
+
+    def __init__(self, rank: int, spec: Any, device: torch.device):
+        policy, self.tokenizer = build_policy(spec.model, device, seed=spec.seed)
+        policy.eval()
+        self.rank, self.spec = rank, spec
+        self.engine = build_engine(policy, self.tokenizer, device, spec)
+        self.task = build_task(spec)
+
+    def session(self, sub: Any, conn: Any, flags: Any, state: bytes | None = None) -> RolloutInstance:
+        """The instance loop for one trainer; an LLM instance has no state to continue from (``state`` unused:
+        its work items carry their seeds)."""
+        self.engine.update_weights(None, -1)  # no work runs before this trainer's weights arrive
+        return RolloutInstance(
+            self.rank, self.spec, self.engine, self.tokenizer, self.task, sub, conn, flags, shm=False
+        )
+
+    def close(self) -> None:
+        pass  # the engine and task go with the process

@@ -21,7 +21,7 @@ from runtime.spec import RunSpec
 from runtime.train.trainer import Trainer
 from runtime.workloads.llm.data import PromptSource, TokenCost
 from runtime.workloads.llm.generation import RolloutWorker
-from runtime.workloads.llm.instance import RolloutInstance, build_instance
+from runtime.workloads.llm.instance import RemoteLLMRollout, RolloutInstance, build_instance
 from runtime.workloads.llm.models import Models, build_engine, build_models, build_task
 from runtime.workloads.llm.probe import ConsistencyProbe
 
@@ -65,9 +65,19 @@ class LLMWorkload:
         return RolloutWorker(spec, engine, models.tokenizer, task, device)
 
     def rollout_instance(
-        self, rank: int, spec: RunSpec, device: torch.device, weights: Any, conn: Any, flags: Any
+        self,
+        rank: int,
+        spec: RunSpec,
+        device: torch.device,
+        weights: Any,
+        conn: Any,
+        flags: Any,
+        state: bytes | None = None,
     ) -> RolloutInstance:
-        return build_instance(rank, spec, device, weights, conn, flags)
+        return build_instance(rank, spec, device, weights, conn, flags)  # it reports no state: nothing to resume
+
+    def remote_rollout(self, rank: int, spec: RunSpec, device: torch.device) -> RemoteLLMRollout:
+        return RemoteLLMRollout(rank, spec, device)
 
     def work_cost(self, spec: RunSpec) -> TokenCost:
         return TokenCost(spec)

@@ -81,9 +81,13 @@ def test_a_resumed_sync_gym_run_continues_bit_identically(tmp_path, algorithm):
         ({"pipeline": {"prompts_per_step": 4}}, "pipeline.prompts_per_step"),
         ({"pipeline": {"mode": "colocated"}}, "pipeline.mode"),
         (
-            {"pipeline": {"mode": "async"}, "resources": {"remote_rollout_workers": 1}},
-            "resources.remote_rollout_workers",
+            {
+                "pipeline": {"mode": "async", "remote_weight_sync": "broadcast"},
+                "resources": {"remote_rollout_workers": 1},
+            },
+            "pipeline.remote_weight_sync",
         ),
+        ({"pipeline": {"mode": "async"}, "resources": {"remote_evaluator": True}}, "resources.remote_evaluator"),
         ({"pipeline": {"mode": "async", "transfer_window_s": 1.0}}, "pipeline.transfer_window_s"),
         ({"agent": {"algorithm": "ppo", "tau": 0.5}}, "agent.tau"),
         ({"agent": {"algorithm": "dqn", "epochs": 2}}, "agent.epochs"),
