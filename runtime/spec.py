@@ -634,14 +634,6 @@ class RunSpec(_Section):
             errors.append({"field": "env.id", "message": problem})
         if self.env.entry_point is not None and not _ENTRY_POINT.fullmatch(self.env.entry_point):
             errors.append({"field": "env.entry_point", "message": "must look like `package.module:make_env`"})
-        if self.pipeline.mode == "colocated":
-            errors.append(
-                {
-                    "field": "pipeline.mode",
-                    "message": "workload gym runs in sync or async mode; colocated (sampling on the learner's own "
-                    "networks) is not wired yet",
-                }
-            )
         if self.resources.trainer_devices > 1:
             errors.append({"field": "resources.trainer_devices", "message": "workload gym trains on one device"})
         if self.agent.algorithm == "ppo" and self.agent.minibatches > self.env.num_envs * self.env.segment_length:

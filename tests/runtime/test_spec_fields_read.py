@@ -210,7 +210,7 @@ def _tiny_runs(mode: str, tmp_path: Path, files: Path, reward_url: str) -> list[
     # the whole section: a built-in task's sizes do not act on a jsonl one (runtime.spec.ACTS_ONLY_WITH)
     from_files["task"] = {"name": "jsonl", "path": str(files / "train.jsonl"), "eval_path": str(files / "eval.jsonl")}
     llm = [tiny_spec(tmp_path, "builtin", **every_step), tiny_spec(tmp_path, "files", from_files, **every_step)]
-    return llm + (_gym_runs(tmp_path, mode) if mode != "colocated" else [])  # gym: sync and async
+    return llm + _gym_runs(tmp_path, mode)
 
 
 def _gym_runs(tmp_path: Path, mode: str) -> list[RunSpec]:

@@ -1,5 +1,6 @@
 """What every process of a gym run builds from its spec: the learner's configuration, the env (its spaces
-checked against the learner), and the policy a sampler or the evaluation agent runs (``PolicyEngine``)."""
+checked against the learner), and the policy a sampler or the evaluation agent runs (``PolicyEngine``, a copy
+that takes published weights; ``ColocatedEngine``, the learner's own networks)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from runtime.spec import RunSpec
 from runtime.workloads.gym.envs import SpaceInfo, check_algorithm, describe_spaces, env_field, make_env
-from runtime.workloads.gym.learners import DQNConfig, PPOConfig, sampling_policy
+from runtime.workloads.gym.learners import DQNConfig, DQNLearner, PPOConfig, PPOLearner, sampling_policy
+from runtime.workloads.gym.networks import EpsilonGreedyPolicy, Policy
 
 
 def learner_config(spec: RunSpec) -> PPOConfig | DQNConfig:
@@ -77,4 +79,27 @@ class PolicyEngine:
     def update_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
         if state is not None:
             self.policy.load_state_dict(state)
+        self.version = version
+
+
+class ColocatedEngine:
+    """The colocated mode's policy: the learner's own networks, no copy. PPO samples with the actor itself;
+    DQN with an ε-greedy policy over the online Q-network, whose ε is the learner's as of the last
+    ``update_weights`` (a publication: what a copy would have received)."""
+
+    def __init__(self, learner: PPOLearner | DQNLearner, space: SpaceInfo):
+        self.learner = learner
+        self.policy: Policy
+        if isinstance(learner, PPOLearner):
+            self.policy = learner.actor
+        else:
+            self.policy = EpsilonGreedyPolicy(learner.q, space.action_dim, learner.epsilon)
+        self.version = 0
+
+    def update_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        if state is not None:
+            raise ValueError("a colocated engine runs on the learner's own networks: it takes no weights")
+        if isinstance(self.policy, EpsilonGreedyPolicy):
+            assert isinstance(self.learner, DQNLearner)
+            self.policy.epsilon.fill_(self.learner.epsilon)
         self.version = version

@@ -4,9 +4,10 @@ A work item asks for one segment (``env.segment_length`` steps of ``env.num_envs
 trains on ``env.segments_per_step`` of them with the spec's learner (``agent.algorithm``: PPO or DQN,
 :mod:`runtime.workloads.gym.learners`). The training envs live in the task; the data source's
 checkpoint state carries their sampler's (seeds, episode cursors, replayed actions), so a resumed
-sync run continues bit-identically. In async mode the segments come from sampling workers
-(:mod:`runtime.workloads.gym.instance`) under the pipeline's lag bound; the colocated mode is not wired
-yet (``runtime.spec`` refuses it for this workload).
+sync run continues bit-identically. The colocated mode samples with the learner's own networks
+(:class:`~runtime.workloads.gym.build.ColocatedEngine`: the same numbers as sync, without the copy). In
+async mode the segments come from sampling workers (:mod:`runtime.workloads.gym.instance`) under the
+pipeline's lag bound.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from runtime.contract import ENV_STEPS_PER_S, EVAL_RETURN_MAX, EVAL_RETURN_MEAN, EVAL_RETURN_MIN
 from runtime.evaluation.evaluator import TIME_EVAL
 from runtime.spec import RunSpec
-from runtime.workloads.gym.build import PolicyEngine, describe_env, learner_config, one_env
+from runtime.workloads.gym.build import ColocatedEngine, PolicyEngine, describe_env, learner_config, one_env
 from runtime.workloads.gym.data import SegmentItem, SegmentSource
 from runtime.workloads.gym.envs import SpaceInfo, make_vector_env
 from runtime.workloads.gym.evaluation import greedy_returns
@@ -50,7 +51,7 @@ class GymTask:
 class SegmentGenerator:
     """The sync mode's inline generator: each work item becomes the next segment of the task's sampler."""
 
-    engine: PolicyEngine
+    engine: PolicyEngine | ColocatedEngine
     sampler: SegmentSampler
     dropped: list[int] = field(default_factory=list)  # nothing is dropped: there is no reward service
     reward: Any = None
@@ -114,6 +115,9 @@ class GymWorkload:
     def inline_generator(
         self, spec: RunSpec, models: GymModels, task: GymTask, device: torch.device, colocated: bool
     ) -> SegmentGenerator:
+        if colocated:  # sampling on the learner's own networks: no copy, no weight load between steps
+            assert models.learner is not None, "inline_generator before build_trainer"
+            return SegmentGenerator(ColocatedEngine(models.learner, models.space), task.sampler)
         return SegmentGenerator(PolicyEngine(models.space, models.cfg, device), task.sampler)
 
     def rollout_instance(
@@ -139,7 +143,7 @@ class GymWorkload:
             models = self.build_models(spec, device)
         return PolicyEngine(models.space, models.cfg, device)
 
-    def evaluate(self, spec: RunSpec, engine: PolicyEngine, task: GymTask) -> dict[str, float]:
+    def evaluate(self, spec: RunSpec, engine: PolicyEngine | ColocatedEngine, task: GymTask) -> dict[str, float]:
         """Greedy episodes of the engine's policy on the evaluation env (the same seeds every time)."""
         started = time.perf_counter()
         returns = greedy_returns(

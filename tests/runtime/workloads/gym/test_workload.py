@@ -1,5 +1,5 @@
 """The gym workload through the pipeline: a sync run samples, trains, evaluates and checkpoints; a resumed
-run continues bit-identically; the spec refuses what a gym run cannot do, naming the field."""
+run continues bit-identically; a colocated run learns exactly as a sync one; the spec refuses what a gym run cannot do, naming the field."""
 
 from __future__ import annotations
 
@@ -71,6 +71,21 @@ def test_a_resumed_sync_gym_run_continues_bit_identically(tmp_path, algorithm):
     assert all(torch.equal(a[weights][k], b[weights][k]) for k in a[weights])
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "dqn"])
+def test_a_colocated_gym_run_samples_on_the_learners_own_networks_and_learns_exactly_as_sync(tmp_path, algorithm):
+    # colocated skips the weight copy, nothing else: every loss, return and weight is sync's
+    torch.set_num_threads(1)
+    sync = run(_spec(tmp_path, "sync", algorithm))
+    colocated = run(_spec(tmp_path, "colocated", algorithm, mode="colocated"))
+    assert colocated["outcome"] == "completed" and colocated["steps"] == 4
+    assert _untimed(colocated["metrics"]) == _untimed(sync["metrics"])
+    assert [_untimed(e) for e in colocated["eval"]] == [_untimed(e) for e in sync["eval"]]
+    a = load_checkpoint(Path(sync["checkpoint"]), keys=["trainer"])["trainer"]
+    b = load_checkpoint(Path(colocated["checkpoint"]), keys=["trainer"])["trainer"]
+    weights = "actor" if algorithm == "ppo" else "q"
+    assert all(torch.equal(a[weights][k], b[weights][k]) for k in a[weights])
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
@@ -79,7 +94,7 @@ def test_a_resumed_sync_gym_run_continues_bit_identically(tmp_path, algorithm):
         ({"env": {"entry_point": "not an entry point", "id": None}}, "env.entry_point"),
         ({"model": {"builtin": "tiny-llama"}}, "model.builtin"),
         ({"pipeline": {"prompts_per_step": 4}}, "pipeline.prompts_per_step"),
-        ({"pipeline": {"mode": "colocated"}}, "pipeline.mode"),
+        ({"pipeline": {"mode": "colocated", "offload_optimizer": True}}, "pipeline.offload_optimizer"),
         (
             {
                 "pipeline": {"mode": "async", "remote_weight_sync": "broadcast"},
