@@ -149,8 +149,12 @@ def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
         spec.setdefault(section, {})[name] = value
     fork_from = checkpoints.checkpoint_dir_for_path(run.parent_checkpoint) if run.parent_checkpoint else None
     if fork_from is not None and not (Path(role.workdir) / CHECKPOINT_DIR).exists():
-        # A fork starts from the parent checkpoint's policy (its HF export), under its own (edited) spec.
-        spec["model"] = {**spec.get("model", {}), "path": str(fork_from / POLICY_DIR)}
+        # A fork starts from the parent checkpoint's policy, under its own (edited) spec: an LLM from the
+        # checkpoint's HF export, a gym learner from the checkpoint's networks.
+        if spec.get("workload") == "gym":
+            spec["agent"] = {**spec.get("agent", {}), "init_path": str(fork_from)}
+        else:
+            spec["model"] = {**spec.get("model", {}), "path": str(fork_from / POLICY_DIR)}
     return spec
 
 

@@ -427,6 +427,11 @@ class AgentSpec(_Section):
     normalize_obs: Bool = Field(False, description="Running observation normalisation inside the networks.")
     gamma: Float = Field(0.99, ge=0, le=1, description="Discount.")
     max_grad_norm: Float | None = Field(None, gt=0, description="Gradient-norm clip; default PPO 0.5, DQN 10.")
+    init_path: str | None = Field(
+        None,
+        description="A gym run's checkpoint directory whose networks the learner starts from (a fork: the same "
+        "algorithm and sizes); its optimizer, counters and replay buffer start fresh.",
+    )
     # PPO
     lam: Float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
     clip: Float = Field(0.2, gt=0, le=10, description="PPO: surrogate clip range.")

@@ -1,15 +1,18 @@
 """A gym run through the whole platform, as an LLM run goes: submitted through the API, admitted, launched
 by a real Celery worker as ``python -m runtime role trainer`` with its sampling worker processes, reporting
-to a real uvicorn; paused, resumed, rolled back and stopped by commands; its steps each stored once."""
+to a real uvicorn; paused, resumed, rolled back and stopped by commands; its steps each stored once; then
+forked from one of its checkpoints."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import yaml
 
-from jobs.models import CheckpointRecord, MetricPoint, Run
+from jobs.models import CheckpointRecord, MetricPoint, Run, RunRole
 from jobs.states import RunState
-from runtime.contract import ENV_STEPS, EPISODE_RETURN_MEAN
+from runtime.contract import ENV_STEPS, EPISODE_RETURN_MEAN, TRAINER_ROLE
 from tests.launch.helpers import wait_for
 from tests.launch.test_runs_e2e import RUN_S, _command, _live_steps, _state, _submit, _wait_state
 
@@ -58,3 +61,16 @@ def test_a_gym_run_is_launched_commanded_and_stopped_like_an_llm_run(platform, c
     assert last.metrics[ENV_STEPS] == last.step * 2 * 2 * 32  # the gym learner's own metrics were ingested
     assert any(EPISODE_RETURN_MEAN in p.metrics for p in MetricPoint.objects.filter(run=run).live())
     assert Run.objects.get(pk=run.pk).state == RunState.COMPLETED
+
+    # a fork starts a new run whose learner starts from the checkpoint's networks
+    fork = _command(platform, cluster, run, "fork", {"checkpoint": target.pk})
+    assert fork.state == "done", fork.message
+    child = Run.objects.get(pk=fork.args["run"])
+    _wait_state(platform, child, RunState.RUNNING)
+    wait_for(lambda: _live_steps(child), "the fork's first step", RUN_S, platform.logs)
+    trainer = RunRole.objects.get(run=child, name=TRAINER_ROLE)
+    role_spec = yaml.safe_load((Path(trainer.workdir) / "spec.yaml").read_text())
+    assert role_spec["agent"]["init_path"].endswith(f"/run-{run.pk}/checkpoints/step-{target.step:08d}")
+    assert "model" not in role_spec
+    assert _command(platform, cluster, child, "stop").state == "done"
+    _wait_state(platform, child, RunState.COMPLETED)

@@ -219,6 +219,16 @@ def test_a_fork_starts_from_its_parent_checkpoints_policy_and_never_outside_the_
     assert supervisor._role_spec(run, role)["model"].get("path") == own
 
 
+def test_a_gym_fork_starts_its_learner_from_the_parent_checkpoints_networks(stand_in, admitted_role, settings):
+    run, role = admitted_role
+    parent = Path(settings.TANDEM_CHECKPOINT_ROOT) / "run-1" / "checkpoints" / "step-00000004"
+    run.resolved_spec = {"workload": "gym", "env": {"id": "CartPole-v1"}, "agent": {"algorithm": "ppo"}}
+    run.parent_checkpoint = str(parent)
+    run.save(update_fields=["resolved_spec", "parent_checkpoint"])
+    spec = supervisor._role_spec(run, role)
+    assert spec["agent"] == {"algorithm": "ppo", "init_path": str(parent)} and "model" not in spec
+
+
 def test_the_role_spec_keeps_the_runs_own_checkpoint_retention(admitted_role):
     run, role = admitted_role
     # jobs.checkpoints.apply_retention deletes by the run's keep_last, sparing pinned checkpoints, fork

@@ -22,12 +22,14 @@ from typing import Any
 import gymnasium as gym
 import torch
 
+from runtime.checkpoint import CheckpointError, load_checkpoint
 from runtime.contract import ENV_STEPS_PER_S, EVAL_RETURN_MAX, EVAL_RETURN_MEAN, EVAL_RETURN_MIN
 from runtime.evaluation.evaluator import TIME_EVAL
 from runtime.spec import RunSpec
 from runtime.workloads.gym.build import ColocatedEngine, PolicyEngine, describe_env, learner_config, one_env
 from runtime.workloads.gym.data import SegmentItem, SegmentSource
 from runtime.workloads.gym.envs import SpaceInfo, make_vector_env
+from runtime.workloads.gym.errors import LearnerError
 from runtime.workloads.gym.evaluation import greedy_returns
 from runtime.workloads.gym.instance import GymRolloutInstance, NoProbe, RemoteGymRollout, SegmentCost, local_instance
 from runtime.workloads.gym.learners import DQNConfig, DQNLearner, PPOConfig, PPOLearner
@@ -35,6 +37,28 @@ from runtime.workloads.gym.sampler import FixedPolicy, SegmentSampler
 from runtime.workloads.gym.segments import Segment, pack_segments, unpack_segments
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation episodes are seeded apart from the training envs'
+NETWORKS = {PPOLearner: ("actor", "critic"), DQNLearner: ("q", "target")}  # what a fork starts from
+
+
+def start_from_checkpoint(learner: PPOLearner | DQNLearner, path: Path) -> None:
+    """Load the networks of a gym checkpoint (``agent.init_path``: a fork) into a new learner; a checkpoint that
+    is not a gym run's of the same algorithm and sizes is bad input naming the field."""
+    try:
+        state = load_checkpoint(path, keys=["trainer"])["trainer"]
+    except (CheckpointError, OSError) as exc:
+        raise LearnerError(f"agent.init_path: {path} is not a readable checkpoint ({exc})") from None
+    names = NETWORKS[type(learner)]
+    missing = [n for n in names if not isinstance(state.get(n), dict)]
+    if missing:
+        raise LearnerError(
+            f"agent.init_path: {path} holds no {' and '.join(missing)} network (a checkpoint of another workload "
+            f"or algorithm; this run's learner is {type(learner).__name__})"
+        )
+    for name in names:
+        try:
+            getattr(learner, name).load_state_dict(state[name])
+        except RuntimeError as exc:  # other layer sizes, or an observation of another shape
+            raise LearnerError(f"agent.init_path: the checkpoint's {name} does not fit this run's ({exc})") from None
 
 
 @dataclass
@@ -89,6 +113,8 @@ class GymWorkload:
             raise ValueError("resources.trainer_devices: workload gym trains on one device")
         cls = PPOLearner if isinstance(models.cfg, PPOConfig) else DQNLearner
         models.learner = cls(models.space, models.cfg, seed=spec.seed, device=device)  # type: ignore[arg-type]
+        if spec.agent.init_path:
+            start_from_checkpoint(models.learner, Path(spec.agent.init_path))
         return models.learner
 
     def build_task(self, spec: RunSpec) -> GymTask:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from runtime.checkpoint import load_checkpoint
 from runtime.contract import ENV_STEPS, ENV_STEPS_PER_S, EVAL_RETURN_MEAN, EXIT_BAD_INPUT
@@ -84,6 +85,38 @@ def test_a_colocated_gym_run_samples_on_the_learners_own_networks_and_learns_exa
     b = load_checkpoint(Path(colocated["checkpoint"]), keys=["trainer"])["trainer"]
     weights = "actor" if algorithm == "ppo" else "q"
     assert all(torch.equal(a[weights][k], b[weights][k]) for k in a[weights])
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "dqn"])
+def test_a_run_started_from_a_checkpoints_networks_begins_where_that_run_ended(tmp_path, algorithm):
+    # a fork: the child's first evaluation (step 0, the same seeded episodes) is the parent's last
+    torch.set_num_threads(1)
+    parent = run(_spec(tmp_path, "parent", algorithm))
+    child_spec = _spec(tmp_path, "child", algorithm).model_copy(deep=True)
+    child_spec.agent.init_path = parent["checkpoint"]
+    child = run(child_spec)
+    assert child["eval"][0]["step"] == 0
+    assert _untimed(child["eval"][0]) == {**_untimed(parent["eval"][-1]), "step": 0}
+    fresh = run(_spec(tmp_path, "fresh", algorithm))
+    assert _untimed(fresh["eval"][0]) != _untimed(child["eval"][0])  # a new learner evaluates otherwise
+
+
+def test_a_checkpoint_of_another_algorithm_or_none_is_bad_input_naming_agent_init_path(tmp_path):
+    torch.set_num_threads(1)
+    ppo = run(_spec(tmp_path, "ppo", "ppo", steps=1, eval_interval=0))
+    for name, init_path, expected in (
+        ("dqn", ppo["checkpoint"], "holds no q and target network"),
+        ("nowhere", str(tmp_path / "no-such-checkpoint"), "is not a readable checkpoint"),
+    ):
+        spec = _spec(tmp_path, name, "dqn" if name == "dqn" else "ppo").resolved()
+        spec["agent"]["init_path"] = init_path
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        done = subprocess.run(
+            [sys.executable, "-m", "runtime", "run", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == EXIT_BAD_INPUT, done.stderr[-2000:]
+        assert "agent.init_path" in done.stderr and expected in done.stderr
 
 
 @pytest.mark.parametrize(
