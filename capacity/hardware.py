@@ -104,6 +104,29 @@ ASCEND_910B = Accelerator(
 
 PRESETS = {"h100-sxm": H100_SXM, "h200-sxm": H200_SXM, "ascend-910b": ASCEND_910B}
 
+# A supernode: one scale-up domain of hundreds of devices, its "node" the whole supernode. Figures are from
+# Zuo et al., "Serving Large Language Models on Huawei CloudMatrix384", arXiv:2506.12708 (2025), section 3
+# (CloudMatrix384: 48 servers x 8 Ascend 910C = 384 NPUs on one Unified Bus (UB) plane; Huawei sells the
+# same class as the Atlas 900 A3 SuperPoD). One device is one 910C package (two dies).
+ASCEND_910C_SUPERNODE = Accelerator(
+    name="Huawei Ascend 910C in a CloudMatrix384 supernode (Atlas 900 A3 SuperPoD class)",
+    bf16_flops=752 * TFLOPS,  # Zuo et al. 2025: about 752 TFLOPS dense BF16/FP16 per package (2 dies)
+    memory_bytes=128 * GB,  # Zuo et al. 2025: 128 GB on-package HBM (64 GB per die)
+    memory_bandwidth=3.2e12,  # Zuo et al. 2025: 3.2 TB/s per package
+    intra_node_bandwidth=392 * GB,  # Zuo et al. 2025: UB plane, 392 GB/s one way per 910C, non-blocking
+    inter_node_bandwidth=50 * GB,  # Zuo et al. 2025: RDMA plane (RoCE), 400 Gb/s one way per NPU
+    host_bandwidth=64 * GB,  # ASSUMPTION: the NPU-CPU link is not given per NPU; PCIe Gen5 x16 order
+    intra_node_latency_s=2e-6,  # ASSUMPTION: a UB collective step; the paper gives only a sub-microsecond hop
+    inter_node_latency_s=2e-5,  # ASSUMPTION: a RoCE collective step, as ASCEND_910B
+    devices_per_node=384,  # the supernode is one UB domain: its 48 servers do not split its bandwidth
+    source="Zuo et al., 'Serving Large Language Models on Huawei CloudMatrix384', arXiv:2506.12708, 2025, "
+    "section 3 (910C: 752 TFLOPS BF16, 128 GB HBM, 3.2 TB/s; UB 392 GB/s per NPU across 384 NPUs; RDMA "
+    "400 Gb/s per NPU); latencies and the host link are ASSUMPTIONS, marked above",
+)
+
+SUPERNODES = {"ascend-910c-supernode": ASCEND_910C_SUPERNODE}
+"""Supernode presets, apart from :data:`PRESETS` (whose nodes are 8-device servers)."""
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -169,3 +192,20 @@ def costs_for(
         optimizer_reload_s=P * optimizer_bytes_per_param / host,
         colocated_switch_s=colocated_switch_s,
     )
+
+
+def kv_cache_tokens(
+    hw: Accelerator, model: ModelShape, *, usable_fraction: float = 0.9, bytes_per_param: float = 2.0
+) -> int:
+    """Context tokens one inference engine's KV cache holds on ``hw``: the usable device memory less
+    the weights, divided by the KV bytes of one token (vLLM's ``gpu_memory_utilization`` is the same
+    fraction; its default is 0.9). Activations and the engine's workspace are left out (ASSUMPTION:
+    they fit in the 10% left)."""
+    p = Problems()
+    p.number("usable_fraction", usable_fraction, low=0, high=1, low_open=True)
+    p.raise_if_any()
+    free = hw.memory_bytes * usable_fraction - model.params * bytes_per_param
+    if free <= 0:
+        p.add("model", f"{model.name}'s weights do not fit in {hw.name}'s usable memory")
+        p.raise_if_any()
+    return int(free // model.kv_bytes_per_token)

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from capacity import Config, LengthDistribution, simulate
-from capacity.hardware import ASCEND_910B, H100_SXM, H200_SXM, PRESETS, QWEN25_7B, QWEN25_32B, costs_for
+from capacity import Config, InputError, LengthDistribution, simulate
+from capacity.hardware import (
+    ASCEND_910B,
+    ASCEND_910C_SUPERNODE,
+    H100_SXM,
+    H200_SXM,
+    PRESETS,
+    QWEN25_7B,
+    QWEN25_32B,
+    SUPERNODES,
+    costs_for,
+    kv_cache_tokens,
+)
 
 
 @pytest.mark.parametrize("hw", PRESETS.values(), ids=PRESETS.keys())
@@ -63,3 +74,28 @@ def test_derived_costs_simulate():
 
     assert 0 < result.samples_per_s < 1e4
     assert sum(result.time_split.values()) == pytest.approx(result.step_time_s, rel=1e-9)
+
+
+def test_the_supernode_preset_carries_the_cited_figures_and_its_size():
+    hw = SUPERNODES["ascend-910c-supernode"]
+
+    assert hw is ASCEND_910C_SUPERNODE
+    assert "arXiv:2506.12708" in hw.source and "ASSUMPTIONS" in hw.source
+    assert (hw.bf16_flops, hw.memory_bytes, hw.memory_bandwidth) == (752e12, 128e9, 3.2e12)
+    assert (hw.intra_node_bandwidth, hw.inter_node_bandwidth) == (392e9, 50e9)
+    assert hw.devices_per_node == 384  # one UB domain
+    assert not set(SUPERNODES) & set(PRESETS)
+
+
+def test_the_kv_cache_holds_the_usable_memory_left_by_the_weights():
+    # (128 GB x 0.9 - 2 x 7.61e9 B of weights) / 57,344 B per token
+    assert kv_cache_tokens(ASCEND_910C_SUPERNODE, QWEN25_7B) == int((115.2e9 - 15.22e9) // 57_344)
+    assert kv_cache_tokens(ASCEND_910C_SUPERNODE, QWEN25_7B) == 1_743_512
+    assert kv_cache_tokens(ASCEND_910C_SUPERNODE, QWEN25_32B, usable_fraction=0.8) == int((102.4e9 - 65e9) // 262_144)
+
+
+def test_a_model_too_large_for_the_device_is_named():
+    with pytest.raises(InputError) as caught:
+        kv_cache_tokens(ASCEND_910B, QWEN25_32B)  # 65 GB of weights, 57.6 GB usable
+
+    assert caught.value.fields == ["model"]
