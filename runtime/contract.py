@@ -175,6 +175,7 @@ SAMPLES_DROPPED_REWARD = "samples/dropped_reward"
 EVAL_RETURN_MEAN = "eval/return_mean"
 EVAL_RETURN_MIN = "eval/return_min"
 EVAL_RETURN_MAX = "eval/return_max"
+EVAL_WEIGHTS_VERSION = "eval/weights_version"
 EPISODE_RETURN_MEAN = "episode/return_mean"
 EPISODE_RETURN_MIN = "episode/return_min"
 EPISODE_RETURN_MAX = "episode/return_max"
@@ -188,6 +189,8 @@ TD_ERROR = "td_error"
 Q_MEAN = "q/mean"
 EPSILON = "epsilon"
 TARGET_SYNCS = "target/syncs"
+TARGET_SYNC_EVENTS = "target/sync_events"
+TARGET_SYNC_WAIT = "time/target_sync_wait"
 REPLAY_SIZE = "replay/size"
 
 METRICS: dict[str, str] = {
@@ -231,6 +234,7 @@ METRICS: dict[str, str] = {
     EVAL_RETURN_MEAN: "Gym: mean undiscounted return of the evaluation agent's greedy episodes (evaluation steps).",
     EVAL_RETURN_MIN: "Gym: lowest such return.",
     EVAL_RETURN_MAX: "Gym: highest such return.",
+    EVAL_WEIGHTS_VERSION: "Gym: weight version the evaluation ran with (async: it may arrive steps after its step).",
     EPISODE_RETURN_MEAN: "Gym: mean undiscounted return of the episodes that ended in this step's segments.",
     EPISODE_RETURN_MIN: "Gym: lowest such return.",
     EPISODE_RETURN_MAX: "Gym: highest such return.",
@@ -244,6 +248,8 @@ METRICS: dict[str, str] = {
     Q_MEAN: "Gym DQN: mean Q-value of the actions taken in the sampled transitions.",
     EPSILON: "Gym DQN: exploration rate the samplers get with this step's weights.",
     TARGET_SYNCS: "Gym DQN: target-network syncs (hard copies or Polyak updates) since the start, cumulative.",
+    TARGET_SYNC_EVENTS: "Gym DQN: target-network syncs made in this step (one event each; 0 when none).",
+    TARGET_SYNC_WAIT: "Gym DQN: seconds this step's updates were held up by target syncs (background: ~0).",
     REPLAY_SIZE: "Gym DQN: transitions held in the replay buffer.",
 }
 

@@ -28,6 +28,7 @@ from typing import Any
 from runtime import metrics as M
 from runtime.contract import CONSISTENCY_KL, OUTCOME_CANCELLED, QUEUE_DEPTH, QUEUE_WATERMARK, ROLLOUT_ACTIVE
 from runtime.evaluation.evaluator import BackgroundEvaluator
+from runtime.evaluation.process import ProcessEvaluator
 from runtime.evaluation.remote import RemoteEvaluator
 from runtime.pipeline.driver import PipelineError, RunContext
 from runtime.pipeline.instance_pool import InstancePool
@@ -64,7 +65,7 @@ class AsyncMode:
         ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)  # every version a consumable sample can come from
         ctx.weights.on_wait = self.pool.kill_if_hung  # a publish waiting on a frozen reader must not wait for ever
         self.steps_done = ctx.start_step
-        self.evaluator: BackgroundEvaluator | RemoteEvaluator | None = None
+        self.evaluator: BackgroundEvaluator | ProcessEvaluator | RemoteEvaluator | None = None
 
     # ---- the loop ----
     def run(self) -> dict[str, Any]:
@@ -251,18 +252,24 @@ class AsyncMode:
         self.ctx.weights.keep = max(2, spec.pipeline.max_policy_lag + 1)
         if self.evaluator is None and spec.pipeline.eval_interval > 0:
             remote = self.peers.evaluator if self.peers is not None else None
-            self.evaluator = remote or BackgroundEvaluator(lambda: _eval_engine(self.ctx), self.ctx.run_eval)
+            self.evaluator = remote or _local_evaluator(self.ctx)
 
     def tick(self) -> None:
         self.pool.supervise()
         self.collect_evals()
 
 
-def _eval_engine(ctx: RunContext) -> Any:
-    """The evaluator's engine: on its own device with ``resources.eval_devices``, else the trainer's."""
+def _local_evaluator(ctx: RunContext) -> BackgroundEvaluator | ProcessEvaluator:
+    """The evaluator on the trainer's host: a process of its own when the workload asks, else a thread."""
+    if ctx.workload.evaluates_in_process:
+        return ProcessEvaluator(ctx.spec.resolved(), str(_eval_device(ctx)))
+    return BackgroundEvaluator(lambda: ctx.workload.eval_engine(ctx.spec, _eval_device(ctx), ctx.models), ctx.run_eval)
+
+
+def _eval_device(ctx: RunContext) -> Any:
+    """The evaluator's device: its own with ``resources.eval_devices``, else the trainer's."""
     from runtime.devices import resolve_device
     from runtime.placement import eval_device_index
 
     index = eval_device_index(ctx.spec)
-    device = ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)
-    return ctx.workload.eval_engine(ctx.spec, device, ctx.models)
+    return ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)

@@ -70,6 +70,9 @@ class Workload(Protocol):
     name: str
     eval_metric: str  # the metric an evaluation event carries (runtime.contract), e.g. eval/accuracy
     units_per_s_metric: str  # the throughput metric of what generate() counts (tokens, env steps)
+    # async mode: evaluate in a process of its own (runtime.evaluation.process) rather than a thread of the
+    # trainer's, which shares its interpreter lock; for an evaluator that is cheap to build twice
+    evaluates_in_process: bool
 
     # ---- the trainer's side ----
     def build_models(self, spec: RunSpec, device: Any) -> Any:

@@ -41,6 +41,8 @@ samples/dropped_reward""".split()
 CONTRACT_NAMES += """eval/return_mean eval/return_min eval/return_max episode/return_mean episode/return_min
 episode/return_max episode/length_mean episode/count env/steps throughput/env_steps_per_s approx_kl loss/td
 td_error q/mean epsilon target/syncs replay/size""".split()
+# workload gym: the roles (issue 16): target-sync events and wait, the version an evaluation ran with
+CONTRACT_NAMES += "target/sync_events time/target_sync_wait eval/weights_version".split()
 
 
 def test_metric_names_are_exactly_the_contract_ones_with_meanings():

@@ -174,8 +174,12 @@ def polyak_update_(target: Iterable[Tensor], online: Iterable[Tensor], tau: floa
     """
     if not 0.0 < tau <= 1.0 or math.isnan(tau):
         raise ValueError(f"tau must be in (0, 1], got {tau}")
-    for t, o in zip(target, online, strict=True):
-        if tau == 1.0:
+    targets, onlines = list(target), list(online)
+    if len(targets) != len(onlines):
+        raise ValueError(f"{len(targets)} target tensors for {len(onlines)} online ones")
+    if tau == 1.0:
+        for t, o in zip(targets, onlines, strict=True):
             t.copy_(o)
-        else:
-            t.mul_(1.0 - tau).add_(o, alpha=tau)
+    elif targets:  # one call per list, not per tensor: a small network's sync is mostly call overhead
+        torch._foreach_mul_(targets, 1.0 - tau)
+        torch._foreach_add_(targets, onlines, alpha=tau)

@@ -19,8 +19,9 @@ DQN (Mnih et al. 2015) with the double-DQN target (van Hasselt et al. 2016): eac
 segments to the replay buffer, then, once ``learning_starts`` env steps were seen, makes
 ``updates_per_step`` gradient updates on uniform minibatches; every ``target_update_interval``
 updates the target network is synced — copied when ``tau`` is 1, else moved by Polyak averaging
-with ``tau``. ε follows a linear schedule over the env steps trained on and is published with the
-Q weights.
+with ``tau`` — in a background thread that the next update waits for only just before it reads the
+target (:mod:`runtime.workloads.gym.target_sync`; bit-identical to syncing inline). ε follows a
+linear schedule over the env steps trained on and is published with the Q weights.
 
 Observation normalisation (``normalize_obs``): the learner folds each step's raw observations into
 the networks' statistics after its updates, so the published policy normalises as the next step
@@ -42,7 +43,6 @@ from runtime.train.algos.control import (
     double_dqn_targets,
     gae_segment,
     linear_schedule,
-    polyak_update_,
     ppo_policy_loss,
     ppo_value_loss,
     standardize,
@@ -62,6 +62,7 @@ from runtime.workloads.gym.networks import (
 )
 from runtime.workloads.gym.replay import ReplayBuffer
 from runtime.workloads.gym.segments import Segment
+from runtime.workloads.gym.target_sync import TARGET_SYNC_NICE, TargetSync
 
 
 @dataclass(frozen=True)
@@ -263,9 +264,21 @@ class PPOLearner:
 
 
 class DQNLearner:
-    """DQN with a double-DQN target, a replay buffer and a target network; see the module docstring."""
+    """DQN with a double-DQN target, a replay buffer and a target network; see the module docstring.
 
-    def __init__(self, space: SpaceInfo, cfg: DQNConfig, seed: int = 0, device: torch.device | None = None):
+    ``background_target_sync=False`` syncs the target inside the update instead (same results, bit for
+    bit): the baseline ``bench/gym.py --roles`` measures the background sync against, as it measures a
+    sync thread niced by ``target_sync_nice`` (:mod:`runtime.workloads.gym.target_sync`)."""
+
+    def __init__(
+        self,
+        space: SpaceInfo,
+        cfg: DQNConfig,
+        seed: int = 0,
+        device: torch.device | None = None,
+        background_target_sync: bool = True,
+        target_sync_nice: int = TARGET_SYNC_NICE,
+    ):
         if space.action_kind != "discrete":
             raise LearnerError("DQN needs a Discrete action space")
         self.space = space
@@ -274,7 +287,10 @@ class DQNLearner:
         self.device = device or torch.device("cpu")
         generator = torch.Generator().manual_seed(seed)
         self.q = build_q_network(space, cfg.hidden, generator, cfg.activation, cfg.normalize_obs).to(self.device)
-        self.target = copy.deepcopy(self.q).requires_grad_(False)
+        self._target = copy.deepcopy(self.q).requires_grad_(False)
+        self._target_sync = TargetSync(
+            self._target, self.q, cfg.tau, background=background_target_sync, nice=target_sync_nice
+        )
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
         self.replay = ReplayBuffer(cfg.buffer_size, space.obs_dim, seed=seed * 1_000_003 + 1)
         self.version = 0
@@ -287,6 +303,12 @@ class DQNLearner:
         """The exploration rate for samplers at the learner's current env step count."""
         c = self.cfg
         return linear_schedule(c.epsilon_start, c.epsilon_end, c.epsilon_decay_steps, self.env_steps)
+
+    @property
+    def target(self) -> nn.Module:
+        """The target network, once the sync in flight (if any) has landed in it."""
+        self._target_sync.wait()
+        return self._target
 
     def train_step(self, segments: list[Segment], step: int) -> dict[str, float]:
         if not segments:
@@ -307,11 +329,15 @@ class DQNLearner:
         norm = getattr(self.q, "obs_norm", None)
         if norm is not None:
             norm.update(torch.cat([seg.obs.reshape(-1, self.space.obs_dim) for seg in segments]).to(self.device))
-            self.target.obs_norm.load_state_dict(norm.state_dict())  # type: ignore[union-attr]
+            # Buffers, which the sync in flight does not touch (it moves parameters): no need to wait for it.
+            self._target.obs_norm.load_state_dict(norm.state_dict())  # type: ignore[union-attr]
         self.version += 1
+        sync_events, sync_wait_s = self._target_sync.take_step_stats()
         out[N.ENV_STEPS] = float(self.env_steps)
         out[N.EPSILON] = self.epsilon
         out[N.TARGET_SYNCS] = float(self.target_syncs)
+        out[N.TARGET_SYNC_EVENTS] = float(sync_events)
+        out[N.TARGET_SYNC_WAIT] = sync_wait_s
         out[N.REPLAY_SIZE] = float(len(self.replay))
         out[N.LR] = float(self.optimizer.param_groups[0]["lr"])
         return out
@@ -336,6 +362,7 @@ class DQNLearner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _require(state, "version", "env_steps", "updates", "target_syncs", "q", "target", "optimizer", "replay")
+        self._target_sync.wait()  # a sync in flight must not land on the loaded weights
         self.q.load_state_dict(state["q"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -358,24 +385,26 @@ class DQNLearner:
     # ----------------------------------------------------------------- internals
 
     def _update(self) -> dict[str, float]:
-        """One gradient update on a replay minibatch, then the target sync if one is due."""
+        """One gradient update on a replay minibatch, then the target sync if one is due.
+
+        What does not read the target network comes first (sampling, the online forward passes), so a
+        background sync of the previous update has that long to finish before :meth:`TargetSync.wait`."""
         cfg = self.cfg
         b = self.replay.sample(cfg.batch_size)
         obs, next_obs = b.obs.to(self.device), b.next_obs.to(self.device)
         with torch.no_grad():
-            targets = double_dqn_targets(
-                b.rewards.to(self.device),
-                b.terminated.to(self.device),
-                self.q(next_obs),
-                self.target(next_obs),
-                cfg.gamma,
-            )
+            next_q_online = self.q(next_obs)
         q_taken = self.q(obs).gather(1, b.actions.to(self.device).unsqueeze(1)).squeeze(1)
+        with torch.no_grad():
+            next_q_target = self.target(next_obs)  # waits for the sync in flight
+            targets = double_dqn_targets(
+                b.rewards.to(self.device), b.terminated.to(self.device), next_q_online, next_q_target, cfg.gamma
+            )
         loss, metrics = td_loss(q_taken, targets, cfg.huber_delta)
         grad_norm = _clipped_step(loss, self.q, self.optimizer, cfg)
         self.updates += 1
         if self.updates % cfg.target_update_interval == 0:
-            polyak_update_(self.target.parameters(), self.q.parameters(), cfg.tau)
+            self._target_sync.start()  # reads the parameters the optimizer just wrote
             self.target_syncs += 1
         return {
             N.LOSS_TD: float(loss.detach()),

@@ -27,6 +27,8 @@ from runtime.contract import (
     REPLAY_SIZE,
     STALENESS_MAX,
     STALENESS_MEAN,
+    TARGET_SYNC_EVENTS,
+    TARGET_SYNC_WAIT,
     TARGET_SYNCS,
     TD_ERROR,
 )
@@ -46,6 +48,8 @@ GYM_METRICS: dict[str, str] = {
         Q_MEAN,
         EPSILON,
         TARGET_SYNCS,
+        TARGET_SYNC_EVENTS,
+        TARGET_SYNC_WAIT,
         REPLAY_SIZE,
     )
 }

@@ -13,8 +13,6 @@ pipeline's lag bound.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,14 +21,13 @@ import gymnasium as gym
 import torch
 
 from runtime.checkpoint import CheckpointError, load_checkpoint
-from runtime.contract import ENV_STEPS_PER_S, EVAL_RETURN_MAX, EVAL_RETURN_MEAN, EVAL_RETURN_MIN
-from runtime.evaluation.evaluator import TIME_EVAL
+from runtime.contract import ENV_STEPS_PER_S, EVAL_RETURN_MEAN
 from runtime.spec import RunSpec
 from runtime.workloads.gym.build import ColocatedEngine, PolicyEngine, describe_env, learner_config, one_env
 from runtime.workloads.gym.data import SegmentItem, SegmentSource
 from runtime.workloads.gym.envs import SpaceInfo, make_vector_env
 from runtime.workloads.gym.errors import LearnerError
-from runtime.workloads.gym.evaluation import greedy_returns
+from runtime.workloads.gym.evaluation import evaluate_policy
 from runtime.workloads.gym.instance import GymRolloutInstance, NoProbe, RemoteGymRollout, SegmentCost, local_instance
 from runtime.workloads.gym.learners import DQNConfig, DQNLearner, PPOConfig, PPOLearner
 from runtime.workloads.gym.sampler import FixedPolicy, SegmentSampler
@@ -101,6 +98,7 @@ class GymWorkload:
     name = "gym"
     eval_metric = EVAL_RETURN_MEAN  # what an evaluation event carries
     units_per_s_metric = ENV_STEPS_PER_S  # what generate()'s units are
+    evaluates_in_process = True  # its episodes are Python loops: a thread would take the learner's GIL
 
     # ---- the trainer's side ----
     def build_models(self, spec: RunSpec, device: torch.device) -> GymModels:
@@ -170,14 +168,8 @@ class GymWorkload:
         return PolicyEngine(models.space, models.cfg, device)
 
     def evaluate(self, spec: RunSpec, engine: PolicyEngine | ColocatedEngine, task: GymTask) -> dict[str, float]:
-        """Greedy episodes of the engine's policy on the evaluation env (the same seeds every time)."""
-        started = time.perf_counter()
-        returns = greedy_returns(
-            engine.policy, task.eval_env, task.space, spec.env.eval_episodes, seed=spec.seed + EVAL_SEED_OFFSET
+        """Greedy episodes of the engine's policy on the evaluation env (the same seeds every time), tagged with
+        the weight version they evaluated."""
+        return evaluate_policy(
+            engine, task.eval_env, task.space, spec.env.eval_episodes, seed=spec.seed + EVAL_SEED_OFFSET
         )
-        return {
-            EVAL_RETURN_MEAN: statistics.fmean(returns),
-            EVAL_RETURN_MIN: min(returns),
-            EVAL_RETURN_MAX: max(returns),
-            TIME_EVAL: time.perf_counter() - started,
-        }

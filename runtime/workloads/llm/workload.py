@@ -32,6 +32,7 @@ class LLMWorkload:
     name = "llm"
     eval_metric = EVAL_ACCURACY  # what an evaluation event carries
     units_per_s_metric = GEN_TOKENS_PER_S  # what generate()'s units are
+    evaluates_in_process = False  # a thread: a second process would need a second copy of the model
 
     # ---- the trainer's side ----
     def build_models(self, spec: RunSpec, device: torch.device) -> Models:

@@ -57,6 +57,7 @@ class _Counting:
     name = "counting"
     eval_metric = "eval/accuracy"
     units_per_s_metric = "throughput/gen_tokens_per_s"
+    evaluates_in_process = False
 
     def build_models(self, spec, device): ...
     def build_trainer(self, spec, models, device, group=None): ...

@@ -59,7 +59,11 @@ def test_sampling_workers_feed_the_learner_within_the_lag_bound(tmp_path, algori
     steps, _ = read_jsonl(tmp_path / "g" / "metrics.jsonl")
     lags = [r[STALENESS_MAX] for r in steps if STALENESS_MAX in r]  # (evaluation rows carry none)
     assert len(lags) == 6 and max(lags) <= 1
-    assert [e["step"] for e in result["eval"]] == [0, 3, 6] and all(e[EVAL_RETURN_MEAN] >= 8 for e in result["eval"])
+    # the evaluator (a process of its own, started with the run) never holds training up: a request made while it
+    # is busy waits, and a newer one replaces it; the first and the final ones are always evaluated
+    evals = [e["step"] for e in result["eval"]]
+    assert evals[0] == 0 and evals[-1] == 6 and set(evals) <= {0, 3, 6}
+    assert all(e[EVAL_RETURN_MEAN] >= 8 for e in result["eval"])
 
 
 @pytest.mark.slow

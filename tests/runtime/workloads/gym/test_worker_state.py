@@ -92,20 +92,22 @@ def test_a_replaced_worker_continues_the_episodes_of_the_one_it_replaces(tmp_pat
     killed: list[int] = []
 
     def stop(step, metrics):
-        if step in (2, 4):
-            pid = control.status()["rollout_pids"][0]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+        # from step 2, every other step, the worker that runs now: a replacement is seen once the queue has
+        # drained and the trainer waited for samples (its supervision runs on this thread: never wait here)
+        pids = control.status()["rollout_pids"]
+        if len(killed) < 2 and step >= 2 * (len(killed) + 1) and pids and pids[0] not in killed:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
         return False
 
-    result = run(_spec(tmp_path), control=control, stop=stop)
+    result = run(_spec(tmp_path, steps=8), control=control, stop=stop)
     assert result["outcome"] == "completed" and len(killed) == 2
     _, events = read_jsonl(tmp_path / "w" / "metrics.jsonl")
     assert [e["payload"]["restarts"] for e in events if e["event"] == "rollout_restarted"] == [1, 2]
     trace = result["trace"]
     assert trace["dropped"] == []
     assert_each_group_once(trace["consumed"], trace["leftover"])
-    assert len(trained) == 12
+    assert len(trained) == 16
     _continuous(trained)
     # the envs really were mid-episode: episodes ended inside segments, and went on across them
     assert any(bool(s.done.any()) for s in trained) and not all(bool(s.done[-1].all()) for s in trained)

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from runtime.checkpoint import load_checkpoint
-from runtime.contract import ENV_STEPS, ENV_STEPS_PER_S, EVAL_RETURN_MEAN, EXIT_BAD_INPUT
+from runtime.contract import ENV_STEPS, ENV_STEPS_PER_S, EVAL_RETURN_MEAN, EVAL_WEIGHTS_VERSION, EXIT_BAD_INPUT
 from runtime.pipeline import run
 from runtime.spec import SpecError, load_spec
 
@@ -96,7 +96,7 @@ def test_a_run_started_from_a_checkpoints_networks_begins_where_that_run_ended(t
     child_spec.agent.init_path = parent["checkpoint"]
     child = run(child_spec)
     assert child["eval"][0]["step"] == 0
-    assert _untimed(child["eval"][0]) == {**_untimed(parent["eval"][-1]), "step": 0}
+    assert _untimed(child["eval"][0]) == {**_untimed(parent["eval"][-1]), "step": 0, EVAL_WEIGHTS_VERSION: 0.0}
     fresh = run(_spec(tmp_path, "fresh", algorithm))
     assert _untimed(fresh["eval"][0]) != _untimed(child["eval"][0])  # a new learner evaluates otherwise
 
