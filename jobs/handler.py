@@ -217,7 +217,8 @@ def _parse_spec(spec: str | dict[str, Any], overrides: list[str] | None) -> tupl
         raise InvalidInput(exc.errors) from None
 
 
-def _check_fits(experiment: Experiment, parsed: RunSpec) -> None:
+def check_fits(experiment: Experiment, parsed: RunSpec) -> None:
+    """The spec's devices exist in the experiment's group and fit its quota (InvalidInput naming the field)."""
     group = experiment.group
     quota = experiment.quota
     resources = parsed.resources
@@ -288,6 +289,29 @@ def _same_submission(run: Run, resolved: dict[str, Any], priority: int | None) -
     return run
 
 
+def check_submission(
+    experiment: Experiment,
+    spec: str | dict[str, Any],
+    *,
+    submission_id: str | None = None,
+    priority: int | None = None,
+    name: str | None = None,
+    overrides: list[str] | None = None,
+    parent_checkpoint: str = "",
+) -> tuple[str, RunSpec, dict[str, Any]]:
+    """A submission's checks that read nothing stored: its arguments, the spec, the paths the experiment's team
+    may read. Returns the stored spec text, the validated spec and the resolved one; raises InvalidInput.
+    (``check_fits`` follows; a submit looks for an earlier submission of the same id in between.)"""
+    _check_submit_args(submission_id, priority, name)
+    text, parsed = _parse_spec(spec, overrides)
+    resolved = parsed.resolved()
+    # Before anything else looks at a path: a refusal must not depend on whether the file exists.
+    refused = confinement.refused_spec_paths(experiment.team, resolved, parent_checkpoint)
+    if refused:
+        raise InvalidInput(refused)
+    return text, parsed, resolved
+
+
 def submit_run(
     actor,
     experiment: Experiment,
@@ -306,18 +330,20 @@ def submit_run(
     spec raises Conflict. Bad input raises InvalidInput and writes nothing; a
     path the experiment's team may not read is bad input (jobs.confinement).
     """
-    _check_submit_args(submission_id, priority, name)
-    text, parsed = _parse_spec(spec, overrides)
-    resolved = parsed.resolved()
-    # Before anything else looks at a path: a refusal must not depend on whether the file exists.
-    refused = confinement.refused_spec_paths(experiment.team, resolved, parent_checkpoint)
-    if refused:
-        raise InvalidInput(refused)
+    text, parsed, resolved = check_submission(
+        experiment,
+        spec,
+        submission_id=submission_id,
+        priority=priority,
+        name=name,
+        overrides=overrides,
+        parent_checkpoint=parent_checkpoint,
+    )
     if submission_id is not None:
         existing = Run.objects.filter(experiment=experiment, submission_id=submission_id).first()
         if existing is not None:
             return _same_submission(existing, resolved, priority), False
-    _check_fits(experiment, parsed)
+    check_fits(experiment, parsed)
     try:
         with transaction.atomic():
             run = Run.objects.create(

@@ -25,7 +25,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from jobs import commands, handler, queue_order, stream
+from jobs import commands, handler, queue_order, start_estimate, stream
 from jobs.api_docs import api_docs_page
 from jobs.config_history import config_history
 from jobs.models import (
@@ -157,6 +157,7 @@ GYM_CHART_GROUPS = [
         [
             ("Episode return", [m.EPISODE_RETURN_MEAN, m.EPISODE_RETURN_MIN, m.EPISODE_RETURN_MAX]),
             ("Evaluation return", [m.EVAL_RETURN_MEAN, m.EVAL_RETURN_MIN, m.EVAL_RETURN_MAX]),
+            ("Evaluated weight version", [m.EVAL_WEIGHTS_VERSION]),
             ("Episode length", [m.EPISODE_LENGTH_MEAN]),
         ],
     ),
@@ -170,6 +171,8 @@ GYM_CHART_GROUPS = [
             ("Q values", [m.Q_MEAN]),
             ("Exploration", [m.EPSILON]),
             ("Target syncs", [m.TARGET_SYNCS]),
+            ("Target-sync events (per step)", [m.TARGET_SYNC_EVENTS]),
+            ("Target-sync wait (s)", [m.TARGET_SYNC_WAIT]),
             ("Replay buffer", [m.REPLAY_SIZE]),
             ("Grad norm", [m.GRAD_NORM]),
             ("Learning rate", [m.LR]),
@@ -263,6 +266,8 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "run": run,
         "devices": devices,
         "queue": handler.queue_info(run),
+        # computed on read for a queued run only (jobs.start_estimate: a few queries and cached simulations)
+        "start_estimate": start_estimate.estimate(run, timezone.now()) if run.state == RunState.QUEUED else None,
         "can_cancel": RunState(run.state) in CANCELLABLE_STATES and can_edit,
         "can_edit": can_edit,
         "resolved_spec": _yaml(run.resolved_spec),

@@ -209,6 +209,18 @@ TANDEM_SHARED_MODEL_ROOT = Path(_shared_model_root).resolve() if _shared_model_r
 # Algorithm plug-ins (jobs/confinement.py): a spec's `algorithm.name: package.module:factory` makes the run's
 # hosts import that module; the platform allows only modules under these comma-separated prefixes (none unset).
 TANDEM_ALGORITHM_PLUGINS = env_list("TANDEM_ALGORITHM_PLUGINS", [])
+# The capacity planner (jobs/planning.py): the calibration whose costs predict runs on each device kind, as
+# comma-separated kind=calibration pairs; a calibration is a name under capacity/calibrations/ or a JSON
+# file's path. An accelerator kind without one is planned on costs derived from its hardware preset.
+TANDEM_CAPACITY_CALIBRATIONS: dict[str, str] = {}
+for _pair in env_list("TANDEM_CAPACITY_CALIBRATIONS", ["cpu=cpu-2core"]):
+    _kind, _sep, _calibration = (part.strip() for part in _pair.partition("="))
+    if not _sep or _kind not in ("cpu", "gpu", "npu") or not _calibration:
+        raise ImproperlyConfigured(
+            f"environment variable TANDEM_CAPACITY_CALIBRATIONS: {_pair!r} is not kind=calibration "
+            "(kind cpu, gpu or npu)"
+        )
+    TANDEM_CAPACITY_CALIBRATIONS[_kind] = _calibration
 # Role processes (docs/running-runs.md): each run's directory is <TANDEM_CHECKPOINT_ROOT>/run-<id> (shared
 # storage in a cluster, so a restarted role finds its checkpoints); roles reach the platform at
 # TANDEM_PLATFORM_URL; host supervisors look at their processes every TANDEM_SUPERVISE_S; a live process

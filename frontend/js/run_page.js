@@ -5,6 +5,7 @@
 
 import { api, el, pageData } from "./api.js";
 import { MetricChart } from "./chart.js";
+import { refreshEstimate } from "./start_estimate.js";
 import { Stream } from "./stream.js";
 
 const live = pageData("run-live");
@@ -63,6 +64,7 @@ function onState(data) {
     const position = data.queue_position ? `#${data.queue_position} · ` : "";
     reason.textContent = `${position}${data.reason || ""}`;
   }
+  refreshEstimate(live.run, state);
   updateControls();
 }
 

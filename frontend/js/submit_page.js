@@ -3,7 +3,8 @@
 // spec error is marked at its line (the server sends dotted field paths such
 // as "pipeline.mode"; the line is where that key sits in the YAML).
 
-import { pageData } from "./api.js";
+import { api, pageData } from "./api.js";
+import { renderPlan, renderPlanErrors } from "./plan_table.js";
 
 const examples = pageData("spec-examples") || {};
 const editor = document.getElementById("id_spec");
@@ -68,4 +69,27 @@ if (editor && errors.length) {
       editor.setSelectionRange(offset, offset + editor.value.split("\n")[line - 1].length);
     });
   }
+}
+
+// The Plan button: the same fields as the submit, to POST /api/runs/plan/ (nothing is stored).
+const planButton = document.getElementById("plan-button");
+const planBox = document.getElementById("plan-result");
+if (planButton && planBox && editor) {
+  planButton.addEventListener("click", async () => {
+    const value = (id) => (document.getElementById(id) || {}).value || "";
+    const body = { experiment: value("id_experiment"), spec: editor.value };
+    if (value("id_submission_id")) body.submission_id = value("id_submission_id");
+    if (value("id_priority")) body.priority = Number(value("id_priority"));
+    planBox.hidden = false;
+    planBox.setAttribute("aria-busy", "true");
+    planButton.disabled = true;
+    try {
+      renderPlan(planBox, await api("POST", "/api/runs/plan/", body));
+    } catch (err) {
+      renderPlanErrors(planBox, err.errors || [], err.message);
+    } finally {
+      planButton.disabled = false;
+      planBox.removeAttribute("aria-busy");
+    }
+  });
 }

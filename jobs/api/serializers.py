@@ -289,6 +289,107 @@ class RunSubmitSerializer(StrictSerializer):
     )
 
 
+class PlanInputsSerializer(StrictSerializer):
+    """What the capacity model needs that a spec does not say (jobs.planning.PlanInputs); every field optional."""
+
+    prompt_tokens = serializers.IntegerField(required=False, help_text="Tokens of every prompt (default 32)")
+    response_tokens = serializers.FloatField(
+        required=False, help_text="Median response length in tokens (default: a quarter of rollout.max_new_tokens)"
+    )
+    response_sigma = serializers.FloatField(required=False, help_text="Log-space spread of a prompt's answers (0-5)")
+    prompt_sigma = serializers.FloatField(required=False, help_text="Log-space spread of prompts' medians (0-5)")
+    devices_per_node = serializers.IntegerField(required=False, help_text="Default: the group's largest host")
+    max_lag = serializers.IntegerField(required=False, help_text="Async modes planned at max_policy_lag 1..this (1-8)")
+    costs = serializers.DictField(
+        required=False,
+        help_text="capacity.Costs fields (docs/capacity.md): costs to plan on instead of the group's calibration",
+    )
+
+
+class RunPlanSerializer(RunSubmitSerializer):
+    """A submission's fields (checked as a submit checks them, nothing stored), plus the model's inputs."""
+
+    inputs = PlanInputsSerializer(required=False)
+
+
+class PlanModeSerializer(serializers.Serializer):
+    mode = serializers.CharField(help_text="sync, colocated or async")
+    max_policy_lag = serializers.IntegerField(allow_null=True, help_text="async only")
+    as_submitted = serializers.BooleanField(help_text="The spec's own mode (and lag)")
+    devices = serializers.IntegerField(
+        help_text="Devices the mode occupies (async: the trainer's and one per instance)"
+    )
+    fits = serializers.BooleanField(help_text="Within the group and the experiment's quota")
+    samples_per_s = serializers.FloatField(allow_null=True)
+    step_time_s = serializers.FloatField(allow_null=True)
+    run_time_s = serializers.FloatField(allow_null=True, help_text="pipeline.steps x the step time")
+    device_hours = serializers.FloatField(allow_null=True, help_text="devices x the run time")
+    time_split = serializers.DictField(child=serializers.FloatField(), help_text="Seconds of a step, by part")
+    bottleneck = serializers.CharField(allow_null=True)
+    mean_staleness = serializers.FloatField(allow_null=True)
+    problem = serializers.CharField(allow_blank=True, help_text="Why the mode does not fit or was not simulated")
+
+
+class PlanCalibrationSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    source = serializers.CharField(help_text="How the costs were obtained")
+    kind = serializers.CharField(help_text="measured, derived (from a hardware preset) or request")
+    measured_at = serializers.CharField(allow_blank=True)
+    notes = serializers.CharField(allow_blank=True)
+
+
+class PlanRecommendationSerializer(serializers.Serializer):
+    mode = serializers.CharField()
+    max_policy_lag = serializers.IntegerField(allow_null=True)
+    bottleneck = serializers.CharField()
+    why = serializers.CharField()
+
+
+class NotModelledSerializer(serializers.Serializer):
+    field = serializers.CharField(help_text="A spec field path, or a section")
+    reason = serializers.CharField(help_text="The effect the model leaves out")
+
+
+class PlanGroupSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    kind = serializers.CharField()
+    devices = serializers.IntegerField()
+
+
+class PlanSerializer(serializers.Serializer):
+    """The plan of a spec (jobs.planning.plan): an estimate, with the calibration it rests on."""
+
+    estimate = serializers.BooleanField(help_text="Always true: predictions of a model, not measurements")
+    note = serializers.CharField()
+    modelled = serializers.BooleanField(help_text="false: nothing was simulated; `reason` says why")
+    reason = serializers.CharField(allow_blank=True)
+    group = PlanGroupSerializer()
+    calibration = PlanCalibrationSerializer(allow_null=True)
+    inputs = serializers.DictField(help_text="The model inputs used (defaults and the request's)")
+    modes = PlanModeSerializer(many=True)
+    recommended = PlanRecommendationSerializer(allow_null=True)
+    not_modelled = NotModelledSerializer(many=True)
+
+
+class StartEstimateBasisSerializer(serializers.Serializer):
+    estimate = serializers.BooleanField()
+    note = serializers.CharField()
+    reason = serializers.CharField(allow_blank=True, help_text="What the estimate rests on, or why there is none")
+    runs_ahead = serializers.IntegerField()
+    runs_holding_devices = serializers.IntegerField()
+    calibrations = serializers.ListField(child=serializers.DictField(child=serializers.CharField()))
+
+
+class StartEstimateSerializer(serializers.Serializer):
+    """A queued run's estimated start (jobs.start_estimate); null with the reason for any other run."""
+
+    run = serializers.IntegerField()
+    state = serializers.CharField()
+    estimated_start = serializers.DateTimeField(allow_null=True)
+    estimate_basis = StartEstimateBasisSerializer()
+
+
 class CancelSerializer(StrictSerializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 

@@ -14,6 +14,7 @@ import time
 
 from asgiref.sync import sync_to_async
 from django.db import connection
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
@@ -21,7 +22,8 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
-from jobs import errors, handler, longpoll, lookups
+from capacity import InputError
+from jobs import errors, handler, longpoll, lookups, planning, start_estimate
 from jobs.api import serializers as s
 from jobs.models import Experiment, Run
 from jobs.states import RunState
@@ -105,15 +107,30 @@ RUN_LIST_PARAMS = [
 ]
 
 
+def _checked_like_submit(experiment: Experiment, values: dict) -> dict:
+    """The resolved spec of a plan request, after a submit's checks in the same order (arguments, spec, paths
+    the team may read, the group's devices and the quota), with the same errors; nothing is stored."""
+    _text, parsed, resolved = handler.check_submission(
+        experiment,
+        values["spec"],
+        submission_id=values["submission_id"],
+        priority=values["priority"],
+        name=values["name"],
+        overrides=values["overrides"],
+    )
+    handler.check_fits(experiment, parsed)
+    return resolved
+
+
 class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
-    """Runs of your teams' experiments: submit, list, detail, cancel, wait."""
+    """Runs of your teams' experiments: submit, plan, list, detail, cancel, wait, start estimate."""
 
     def get_serializer_class(self):
         return s.RunSerializer if self.action == "list" else s.RunDetailSerializer
 
     def get_queryset(self):
         qs = Run.objects.filter(experiment__team__in=self.team_scope())
-        qs = qs.select_related("experiment", "created_by")
+        qs = qs.select_related("experiment", "experiment__group", "created_by")
         if self.action != "list":
             return qs
         params = self.request.query_params
@@ -173,6 +190,40 @@ class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMod
         )
         body = s.RunDetailSerializer(run).data
         return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(
+        request=s.RunPlanSerializer,
+        responses={200: OpenApiResponse(s.PlanSerializer, description="The plan (an estimate); nothing stored")},
+    )
+    @action(detail=False, methods=["post"])
+    def plan(self, request):
+        """The predicted samples/s, step time and device-hours of the spec in each mode on the experiment's
+        resource group, the recommended mode and lag, and the spec fields whose effect is not modelled.
+        Same input and checks as a submit; nothing is stored (docs/control-plane-api.md)."""
+        data = s.RunPlanSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = data.validated_data
+        experiment = lookups.resolve_experiment(request.user, self.token, values["experiment"], values.get("team"))
+        _require(
+            perms.can_edit(request.user, experiment.team_id, self.token),
+            f"viewers of team {experiment.team.name} cannot submit runs, nor plan them",
+        )
+        resolved = _checked_like_submit(experiment, values)
+        try:
+            inputs = planning.PlanInputs.from_request(dict(values.get("inputs") or {}))
+        except InputError as exc:
+            raise handler.InvalidInput(exc.errors) from None
+        group = planning.Group.of(experiment.group, max_devices=experiment.quota.max_devices)
+        return Response(planning.plan(resolved, group, inputs))
+
+    @extend_schema(responses={200: s.StartEstimateSerializer})
+    @action(detail=True, methods=["get"], url_path="start-estimate")
+    def estimated_start(self, request, pk=None):
+        """A queued run's estimated start, from the runs ahead of it and those holding the group's devices at
+        their predicted speed (an estimate; null, with the reason, when there is none or the run is not queued)."""
+        run = self.get_object()
+        found = start_estimate.estimate(run, timezone.now())
+        return Response({"run": run.pk, "state": run.state, **found.as_dict()})
 
     @extend_schema(
         request=s.CancelSerializer,
