@@ -179,6 +179,16 @@ GYM_CHART_GROUPS = [
         ],
     ),
     (
+        "Pipeline",
+        [
+            ("Policy lag (staleness)", [m.STALENESS_MEAN, m.STALENESS_MAX]),
+            ("Segment queue", [m.QUEUE_DEPTH, m.QUEUE_WATERMARK]),
+            ("Dropped segments", [m.SAMPLES_DROPPED_STALE]),
+            ("Sampling workers", [m.ROLLOUT_ACTIVE]),
+            ("Weights version", [m.WEIGHTS_VERSION]),
+        ],
+    ),
+    (
         "Throughput & time split",
         [
             ("Env steps / s", [m.ENV_STEPS_PER_S]),

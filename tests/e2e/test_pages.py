@@ -56,8 +56,9 @@ def test_a_gym_run_page_charts_returns_and_its_learner_not_tokens(client, editor
     client.force_login(editor)
     html = client.get(f"/runs/{run.pk}/").content.decode()
     live = json.loads(html.split('<script id="run-live" type="application/json">')[1].split("</script>")[0])
-    assert [g["title"] for g in live["groups"]] == ["Returns", "Learner", "Throughput & time split"]
+    assert [g["title"] for g in live["groups"]] == ["Returns", "Learner", "Pipeline", "Throughput & time split"]
     assert 'data-keys="episode/return_mean,episode/return_min,episode/return_max"' in html
+    assert 'data-keys="target/sync_events"' in html and 'data-keys="staleness/mean,staleness/max"' in html
     assert "gen_tokens_per_s" not in html and "Response length" not in html
 
 
