@@ -13,24 +13,12 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from capacity import Costs, Link
-from capacity.calibration import Calibration
+from tests.platform.capacity_costs import write_calibration
 
 NO_CHROMIUM = pytest.mark.skipif(
     not Path("/usr/bin/chromium").exists(), reason="/usr/bin/chromium is absent (apt-get install chromium)"
 )
 pytestmark = [pytest.mark.e2e, NO_CHROMIUM, pytest.mark.django_db(transaction=True)]
-
-COSTS = Costs(
-    decode_s_per_token=2e-4,
-    prefill_s_per_token=2e-5,
-    train_s_per_token=4e-4,
-    weight_bytes=2e6,
-    local=Link(5e9),
-    intra_node=Link(5e9, 1e-5),
-    inter_node=Link(1e8, 1e-4),
-    decode_step_s=1e-3,
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,8 +27,7 @@ def server_calibration(tmp_path_factory):
     (autouse and module-scoped: set before the module's server starts)."""
     from django.conf import settings
 
-    path = tmp_path_factory.mktemp("calibrations") / "e2e-cpu.json"
-    Calibration("e2e-cpu", "written by tests/e2e/test_plan_ui.py", COSTS).save(path)
+    path = write_calibration(tmp_path_factory.mktemp("calibrations"), "e2e-cpu", "written by tests/e2e/test_plan_ui.py")
     before_env = os.environ.get("TANDEM_CAPACITY_CALIBRATIONS")
     before_setting = settings.TANDEM_CAPACITY_CALIBRATIONS
     os.environ["TANDEM_CAPACITY_CALIBRATIONS"] = f"cpu={path}"

@@ -13,31 +13,19 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from capacity import Costs, Link
-from capacity.calibration import Calibration
 from jobs import handler, planning, start_estimate
 from jobs.models import MetricPoint, Run
 from jobs.states import RunState
+from tests.platform.capacity_costs import write_calibration
 
 pytestmark = pytest.mark.django_db
 
 NOW = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC)
-COSTS = Costs(
-    decode_s_per_token=2e-4,
-    prefill_s_per_token=2e-5,
-    train_s_per_token=4e-4,
-    weight_bytes=2e6,
-    local=Link(5e9),
-    intra_node=Link(5e9, 1e-5),
-    inter_node=Link(1e8, 1e-4),
-    decode_step_s=1e-3,
-)
 
 
 @pytest.fixture(autouse=True)
 def calibration(settings, tmp_path):
-    path = tmp_path / "queue-cpu.json"
-    Calibration("queue-cpu", "written by tests/platform/test_estimated_start.py", COSTS).save(path)
+    path = write_calibration(tmp_path, "queue-cpu", "written by tests/platform/test_estimated_start.py")
     settings.TANDEM_CAPACITY_CALIBRATIONS = {"cpu": str(path)}
 
 

@@ -12,35 +12,22 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
-from capacity import Costs, Link
-from capacity.calibration import Calibration
 from capacity.spec_mapping import UNKNOWN
 from jobs import planning
 from jobs.models import Allocation, Experiment, Run, RunStreamEntry
 from rlplatform.models import AuditLog, Quota
+from tests.platform.capacity_costs import TEST_COSTS, write_calibration
 
 pytestmark = pytest.mark.django_db
 
 PLAN = "/api/runs/plan/"
 SUBMIT = "/api/runs/"
-CPU_COSTS = Costs(
-    decode_s_per_token=2e-4,
-    prefill_s_per_token=2e-5,
-    train_s_per_token=4e-4,
-    weight_bytes=2e6,
-    local=Link(5e9),
-    intra_node=Link(5e9, 1e-5),
-    inter_node=Link(1e8, 1e-4),
-    decode_step_s=1e-3,
-    optimizer_step_s=1e-3,
-)
 
 
 @pytest.fixture(autouse=True)
 def cpu_calibration(settings, tmp_path):
     """The CPU group's calibration: a file of this test's costs."""
-    path = tmp_path / "test-cpu.json"
-    Calibration("test-cpu", "written by tests/platform/test_plan_api.py", CPU_COSTS).save(path)
+    path = write_calibration(tmp_path, "test-cpu", "written by tests/platform/test_plan_api.py")
     settings.TANDEM_CAPACITY_CALIBRATIONS = {"cpu": str(path)}
     return path
 
@@ -226,13 +213,13 @@ def test_model_inputs_out_of_physical_range_are_field_errors(client_of, owner, e
     assert errors({"max_lag": 9}) == ["inputs.max_lag"]
     assert errors({"prompt_tokens": "many"}) == ["inputs.prompt_tokens"]
     assert errors({"warp": 1}) == ["inputs.warp"]
-    bad_costs = {**json.loads(json.dumps(CPU_COSTS.as_dict())), "intra_node": {"bandwidth_bytes_per_s": -1.0}}
+    bad_costs = {**json.loads(json.dumps(TEST_COSTS.as_dict())), "intra_node": {"bandwidth_bytes_per_s": -1.0}}
     assert errors({"costs": bad_costs}) == ["inputs.costs.intra_node.bandwidth_bytes_per_s"]
-    assert errors({"costs": {**CPU_COSTS.as_dict(), "decode_s_per_token": 1e9}}) == ["inputs.costs.decode_s_per_token"]
+    assert errors({"costs": {**TEST_COSTS.as_dict(), "decode_s_per_token": 1e9}}) == ["inputs.costs.decode_s_per_token"]
 
 
 def test_costs_given_with_the_request_replace_the_calibration_and_say_so(client_of, owner, experiment):
-    inputs = {"costs": CPU_COSTS.as_dict(), "prompt_tokens": 16, "response_tokens": 4, "max_lag": 1}
+    inputs = {"costs": TEST_COSTS.as_dict(), "prompt_tokens": 16, "response_tokens": 4, "max_lag": 1}
     plan = (
         client_of(owner)
         .post(PLAN, {"experiment": "exp-a", "spec": "name: t\n", "inputs": inputs}, format="json")
