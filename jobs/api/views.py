@@ -128,6 +128,15 @@ class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMod
     def get_serializer_class(self):
         return s.RunSerializer if self.action == "list" else s.RunDetailSerializer
 
+    def _experiment_to_submit_to(self, values: dict, refusal: str) -> Experiment:
+        """The request's experiment, which the user (and token) must be able to edit: viewers get 403."""
+        experiment = lookups.resolve_experiment(self.request.user, self.token, values["experiment"], values.get("team"))
+        _require(
+            perms.can_edit(self.request.user, experiment.team_id, self.token),
+            f"viewers of team {experiment.team.name} {refusal}",
+        )
+        return experiment
+
     def get_queryset(self):
         qs = Run.objects.filter(experiment__team__in=self.team_scope())
         qs = qs.select_related("experiment", "experiment__group", "created_by")
@@ -174,11 +183,7 @@ class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMod
         data = s.RunSubmitSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         values = data.validated_data
-        experiment = lookups.resolve_experiment(request.user, self.token, values["experiment"], values.get("team"))
-        _require(
-            perms.can_edit(request.user, experiment.team_id, self.token),
-            f"viewers of team {experiment.team.name} cannot submit runs",
-        )
+        experiment = self._experiment_to_submit_to(values, "cannot submit runs")
         run, created = handler.submit_run(
             request.user,
             experiment,
@@ -203,11 +208,7 @@ class RunViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyMod
         data = s.RunPlanSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         values = data.validated_data
-        experiment = lookups.resolve_experiment(request.user, self.token, values["experiment"], values.get("team"))
-        _require(
-            perms.can_edit(request.user, experiment.team_id, self.token),
-            f"viewers of team {experiment.team.name} cannot submit runs, nor plan them",
-        )
+        experiment = self._experiment_to_submit_to(values, "cannot submit runs, nor plan them")
         resolved = _checked_like_submit(experiment, values)
         try:
             inputs = planning.PlanInputs.from_request(dict(values.get("inputs") or {}))
