@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.models import CheckpointRecord, MetricPoint, Run, RunRole
+from jobs.models import CheckpointRecord, MetricPoint, Run, RunEvent, RunRole
 from jobs.states import RunState
 from runtime.contract import ENV_STEPS, EPISODE_RETURN_MEAN, TRAINER_ROLE
 from tests.launch.helpers import wait_for
@@ -19,7 +19,7 @@ from tests.launch.test_runs_e2e import RUN_S, _command, _live_steps, _state, _su
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def _gym_spec(name: str) -> str:
+def _gym_spec(name: str, **resources) -> str:
     return yaml.safe_dump(
         {
             "name": name,
@@ -28,7 +28,7 @@ def _gym_spec(name: str) -> str:
             "env": {"id": "CartPole-v1", "num_envs": 2, "segment_length": 32, "segments_per_step": 2},
             "agent": {"algorithm": "ppo"},
             "pipeline": {"mode": "async", "steps": 400, "eval_interval": 0, "max_policy_lag": 1},
-            "resources": {"threads_per_process": 1, "rollout_workers": 2},
+            "resources": {"threads_per_process": 1, "rollout_workers": 2, **resources},
             "checkpoint": {"interval": 2, "keep_last": 400},
             "metrics": {"progress_bar": False},
         }
@@ -74,3 +74,19 @@ def test_a_gym_run_is_launched_commanded_and_stopped_like_an_llm_run(platform, c
     assert "model" not in role_spec
     assert _command(platform, cluster, child, "stop").state == "done"
     _wait_state(platform, child, RunState.COMPLETED)
+
+
+def test_a_gym_run_samples_on_a_rollout_role_of_its_own_like_an_llm_run(platform, cluster):
+    """resources.remote_rollout_workers: the platform launches rollout-0 beside trainer-0; the sampling worker
+    finds the learner through the run directory's endpoint file, authenticates and feeds it; a stop releases it."""
+    run = _submit(platform, cluster, _gym_spec("cartpole-remote", rollout_workers=0, remote_rollout_workers=1))
+    _wait_state(platform, run, RunState.RUNNING)
+    wait_for(lambda: len(_live_steps(run)) >= 3, "three steps fed by the remote worker", RUN_S, platform.logs)
+    assert _command(platform, cluster, run, "stop").state == "done"
+    _wait_state(platform, run, RunState.COMPLETED)
+    wait_for(lambda: all(r.exit_code is not None for r in RunRole.objects.filter(run=run)), "both roles to exit", RUN_S)
+    assert {r.name: r.exit_code for r in RunRole.objects.filter(run=run)} == {TRAINER_ROLE: 0, "rollout-0": 0}
+    connected = RunEvent.objects.filter(run=run, role=TRAINER_ROLE, kind="rollout_connected")
+    assert [e.payload["rank"] for e in connected] == [0]
+    steps = _live_steps(run)
+    assert steps == list(range(1, steps[-1] + 1))
