@@ -91,6 +91,13 @@ class Config:
     sample transfer) share one inter-node link, each slowing the other; False: separate domains."""
     offload_optimizer: bool = False
     """Colocated: the optimizer state goes to host memory while generating."""
+    host_cores: int | None = None
+    """The devices are processes of one CPU host with this many cores, one thread each: while more of
+    them compute than there are cores, each computes at ``cores / computing`` speed (processor
+    sharing). None: every device computes on its own (accelerators)."""
+    host_background: float = 0.0
+    """With ``host_cores``: cores' worth of other work computing on the host all along (a shared
+    machine); it takes its share of the cores like one more process."""
     run_steps: int = 50
     """Steps of the whole run (``pipeline.steps``): the estimated run time is this times the step time."""
     sim_steps: int = 12
@@ -130,6 +137,9 @@ class Config:
         if not isinstance(self.lengths, LengthDistribution):
             p.add("lengths", f"must be a LengthDistribution, got {type(self.lengths).__name__}")
         p.raise_if_any()  # the combinations below read these as valid
+        if self.host_cores is not None:
+            p.integer("host_cores", self.host_cores, low=1, high=1 << 20)
+        p.number("host_background", self.host_background, low=0, high=1 << 20)
         if self.queue_capacity is not None:
             p.integer("queue_capacity", self.queue_capacity, low=self.samples_per_step, high=1 << 40)
         if self.warmup_steps >= self.sim_steps:

@@ -17,6 +17,10 @@ It mirrors the runtime's (``runtime/rollout/batcher.py``, ``runtime/workloads/ll
 Steps in which nothing joins or leaves cost the same, so the engine advances through them in one
 simulated interval (up to the next sequence to finish) and is woken early only by new work or
 weights; the result is the same as stepping one by one, with far fewer events.
+
+On a CPU host whose processes outnumber its cores (``Config.host_cores``), every compute interval
+of an engine or a trainer is a job on :class:`HostCores`, and the engine steps one step at a time
+(its speed changes whenever another process starts or stops computing).
 """
 
 from __future__ import annotations
@@ -31,6 +35,74 @@ from typing import Any
 import simpy
 
 from capacity.costs import Costs
+
+
+class HostCores:
+    """A host's cores shared by its processes' compute (processor sharing): while ``n`` jobs run, each
+    advances at ``min(1, cores / (n + background))`` of one core's speed — a one-thread process never
+    uses more than one core, and the operating system's scheduler shares the cores equally among the
+    runnable ones (the egalitarian processor-sharing queue; Kleinrock, Queueing Systems vol. 2, 1976,
+    section 4.4). ``background``: cores' worth of other work always runnable on the host (a shared
+    machine), which takes its share too."""
+
+    def __init__(self, env: simpy.Environment, cores: int, background: float = 0.0):
+        self.env = env
+        self.cores = cores
+        self.background = background
+        self._jobs: list[list[Any]] = []  # [seconds of one core's work left, event to trigger when done]
+        self._updated = env.now
+        self._changed = env.event()
+        env.process(self._run())
+
+    def run(self, seconds: float) -> simpy.Event:
+        """An event that triggers when ``seconds`` of one core's work are done."""
+        done = self.env.event()
+        if seconds <= 0:
+            done.succeed()
+            return done
+        self._advance()
+        self._jobs.append([float(seconds), done])
+        if not self._changed.triggered:
+            self._changed.succeed()
+        return done
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / (len(self._jobs) + self.background)) if self._jobs else 1.0
+
+    def _advance(self) -> None:
+        now = self.env.now
+        if self._jobs and now > self._updated:
+            done = (now - self._updated) * self._rate()
+            for job in self._jobs:
+                job[0] -= done
+        self._updated = now
+
+    def _run(self) -> Generator[Any, Any, None]:
+        while True:
+            first: list[Any] | None = None
+            if not self._jobs:
+                yield self._changed
+            else:
+                first = min(self._jobs, key=lambda job: job[0])
+                ends_at = self.env.now + max(first[0], 0.0) / self._rate()
+                yield self._changed | self.env.timeout(ends_at - self.env.now)
+            if self._changed.triggered:
+                self._changed = self.env.event()
+            self._advance()
+            if first is not None and self.env.now >= ends_at:
+                first[0] = 0.0  # done by construction, whatever the floating-point residue
+            finished = [job for job in self._jobs if job[0] <= _DONE_S]
+            self._jobs = [job for job in self._jobs if job[0] > _DONE_S]
+            for job in finished:
+                job[1].succeed()
+
+
+_DONE_S = 1e-12  # a job with this little work left is finished (floating-point residue)
+
+
+def compute(env: simpy.Environment, cores: HostCores | None, seconds: float) -> simpy.Event:
+    """``seconds`` of one device's compute: a plain interval, or a job on the shared host cores."""
+    return env.timeout(seconds) if cores is None else cores.run(seconds)
 
 
 @dataclass(eq=False)
@@ -75,8 +147,10 @@ class RolloutEngine:
         max_new_tokens: int,
         on_done: Callable[[Group], None],
         staged_at: dict[int, float] | None = None,
+        cores: HostCores | None = None,
     ):
         self.env = env
+        self.cores = cores
         self.costs = costs
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -186,10 +260,10 @@ class RolloutEngine:
                 continue
             # one step: the admitted sequences prefill, the others decode a token each
             self._doing = ("generate", env.now)
-            yield env.timeout(costs.engine_step_s(len(self._live) - seqs, prefill))
+            yield compute(env, self.cores, costs.engine_step_s(len(self._live) - seqs, prefill))
             self._end_generating()
             self._advance(1)
-            if not self._live or self._weights is not None or self._could_admit():
+            if not self._live or self._weights is not None or self._could_admit() or self.cores is not None:
                 continue
             yield from self._stretch()
 

@@ -23,7 +23,9 @@ its shard from the queue (``flat``); each rank trains on its interleaved shard (
 and each update all-reduces the gradients (``ddp``) or gathers parameters and reduce-scatters
 gradients (``sharded``). The inter-node part of the trainer's collectives and of the sampling side's
 transfers are flows on :class:`~capacity.links.SharedLink` s: one link for both with
-``shared_comm_domain``, one each otherwise.
+``shared_comm_domain``, one each otherwise. With ``host_cores`` (a CPU machine whose one-thread
+processes may outnumber its cores) the trainer's and the engines' compute are jobs on one
+:class:`~capacity.engine.HostCores`, which shares the cores among the processes computing at once.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from capacity.comm import (
 )
 from capacity.config import Config
 from capacity.costs import Costs
-from capacity.engine import Group, RolloutEngine
+from capacity.engine import Group, HostCores, RolloutEngine, compute
 from capacity.links import SharedLink
 from capacity.result import (
     ALLREDUCE,
@@ -109,6 +111,9 @@ class Pipeline:
         self.sampling_link = self.training_link if config.shared_comm_domain else SharedLink(self.env, bandwidth)
         self.queue_server = FifoServer(self.env)
         self.devices = placement(config)
+        self.cores = (
+            HostCores(self.env, config.host_cores, config.host_background) if config.host_cores is not None else None
+        )
         self.staged_at: dict[int, float] = {}  # version -> when the trainer staged it
         self.engines = [
             RolloutEngine(
@@ -119,6 +124,7 @@ class Pipeline:
                 max_new_tokens=config.lengths.max_new_tokens,
                 on_done=self._group_done,
                 staged_at=self.staged_at,
+                cores=self.cores,
             )
             for _ in self.devices
         ]
@@ -193,8 +199,9 @@ class Pipeline:
         compute_s = max(per_rank) * costs.train_s_per_token / cfg.updates_per_step
         optimizer_s = costs.optimizer_step_s / (ranks if cfg.training == "sharded" else 1)
         for _ in range(cfg.updates_per_step):
-            yield env.timeout(compute_s + optimizer_s)
-            step.split[TRAIN] += compute_s + optimizer_s
+            started = env.now
+            yield compute(env, self.cores, compute_s + optimizer_s)  # longer when host cores are oversubscribed
+            step.split[TRAIN] += env.now - started
             started = env.now
             yield from self.communicate(self._update_plan(), self.training_link)
             step.split[ALLREDUCE] += env.now - started
