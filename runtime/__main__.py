@@ -91,6 +91,10 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
         value = getattr(spec.task, field)
         if value and not Path(value).is_file():
             raise UsageError(f"task.{field}: no such file: {value}")
+    if spec.task.name == "dataset":  # every row read and checked, and the chat template found (TaskError)
+        from runtime.tasks import build_task
+
+        build_task(spec.task, spec.model.path)
     if spec.samples_per_step > spec.queue_capacity:
         raise UsageError(
             f"pipeline.queue_capacity: {spec.queue_capacity} cannot hold one step's {spec.samples_per_step} samples"

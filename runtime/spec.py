@@ -173,23 +173,59 @@ class ModelSpec(_Section):
     reference: Bool = Field(True, description="Keep a frozen copy of the initial policy for the KL penalty.")
 
 
+# The dataset task's file formats, by file extension -> the `datasets` library's builder that reads it.
+DATASET_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
 class TaskSpec(_Section):
-    name: Literal["reverse", "repeat", "arithmetic", "copy", "jsonl"] = Field(
-        "reverse", description="Built-in synthetic task, or `jsonl` for a user dataset at `path`."
+    name: Literal["reverse", "repeat", "arithmetic", "copy", "jsonl", "dataset"] = Field(
+        "reverse",
+        description="Built-in synthetic task; `jsonl` for a JSONL file of {prompt, answer} rows; `dataset` for a "
+        "local jsonl / json / parquet / arrow file of math problems scored by the math verifier.",
     )
-    path: str | None = Field(None, description="JSONL file of {prompt, answer} rows (task `jsonl`).")
-    eval_path: str | None = Field(None, description="Held-out JSONL file; default: a split of `path`.")
+    path: str | None = Field(None, description="The dataset file (tasks `jsonl` and `dataset`).")
+    eval_path: str | None = Field(None, description="Held-out dataset file; default: a split of `path`.")
     verifier: Literal["exact", "numeric", "boxed"] = Field("exact", description="Rule that scores a response.")
+    prompt_key: str = Field(
+        "question", min_length=1, max_length=200, description="Task `dataset`: the column holding the prompt."
+    )
+    answer_key: str = Field(
+        "answer",
+        min_length=1,
+        max_length=200,
+        description="Task `dataset`: the column holding the reference answer (GSM8K's `... #### 72` reads 72).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        max_length=100_000,
+        description="Task `dataset`: a system message (with chat_template), else text put before each prompt.",
+    )
+    chat_template: Bool = Field(
+        False,
+        description="Task `dataset`: wrap each prompt in the model tokenizer's chat template (needs a model.path "
+        "whose tokenizer has one).",
+    )
     train_size: Int = Field(4096, ge=1, le=10_000_000, description="Number of training prompts generated.")
     eval_size: Int = Field(64, ge=1, le=100_000, description="Number of held-out evaluation prompts.")
     min_len: Int = Field(1, ge=1, le=256, description="Smallest problem size for built-in tasks.")
     max_len: Int = Field(8, ge=1, le=256, description="Largest problem size; sizes are long-tailed in between.")
     seed: Int = Field(1234, description="Seed of the prompt generator (independent of the run seed).")
 
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _readable_format(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # Checked from the name alone, so the platform refuses it at submit without reading worker files.
+        if info.data.get("name") == "dataset" and value is not None:
+            if Path(value).suffix.lower() not in DATASET_FORMATS:
+                raise ValueError(
+                    f"{value!r}: the dataset task reads files whose name ends in {', '.join(DATASET_FORMATS)}"
+                )
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> TaskSpec:
-        if self.name == "jsonl" and not self.path:
-            raise ValueError("task `jsonl` needs `path`")
+        if self.name in ("jsonl", "dataset") and not self.path:
+            raise ValueError(f"task `{self.name}` needs `path`")
         if self.min_len > self.max_len:
             raise ValueError("min_len must be <= max_len")
         return self
@@ -798,11 +834,20 @@ def _group_normalised_or_plugin(spec: RunSpec) -> bool:
 
 
 def _builtin_task(spec: RunSpec) -> bool:
-    return spec.task.name != "jsonl"  # a built-in task generates its prompts; a jsonl one reads them
+    return spec.task.name not in ("jsonl", "dataset")  # a built-in task generates its prompts; a file task reads them
 
 
 def _jsonl_task(spec: RunSpec) -> bool:
-    return spec.task.name == "jsonl"  # built-in tasks score with their own rule
+    return spec.task.name == "jsonl"  # built-in tasks score with their own rule, the dataset task with the math one
+
+
+def _dataset_task(spec: RunSpec) -> bool:
+    return spec.task.name == "dataset"
+
+
+def _dataset_task_with_a_model_tokenizer(spec: RunSpec) -> bool:
+    # a built-in model, or model.tokenizer char, has the character tokenizer: it has no chat template
+    return _dataset_task(spec) and spec.model.path is not None and spec.model.tokenizer == "auto"
 
 
 def _ppo_agent(spec: RunSpec) -> bool:
@@ -822,10 +867,20 @@ ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
     "algorithm.vf_coef": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
     "trainer.critic_lr": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
     "algorithm.normalize_adv_std": (_group_normalised_or_plugin, "algorithm.name grpo (group-relative advantages)"),
-    "task.train_size": (_builtin_task, "a built-in task (a jsonl task trains on every row of task.path)"),
+    "task.train_size": (_builtin_task, "a built-in task (a jsonl or dataset task trains on every row of task.path)"),
     "task.min_len": (_builtin_task, "a built-in task"),
     "task.max_len": (_builtin_task, "a built-in task"),
-    "task.verifier": (_jsonl_task, "task.name jsonl (a built-in task scores with its own rule)"),
+    "task.verifier": (
+        _jsonl_task,
+        "task.name jsonl (a built-in task scores with its own rule, the dataset task with the math verifier)",
+    ),
+    "task.prompt_key": (_dataset_task, "task.name dataset"),
+    "task.answer_key": (_dataset_task, "task.name dataset"),
+    "task.system_prompt": (_dataset_task, "task.name dataset"),
+    "task.chat_template": (
+        _dataset_task_with_a_model_tokenizer,
+        "task.name dataset and a model.path with model.tokenizer auto (the character tokenizer has no chat template)",
+    ),
 }
 
 

@@ -6,12 +6,16 @@ from typing import Any
 
 from runtime.tasks.base import Task, TaskError
 from runtime.tasks.builtin import GENERATORS, BuiltinTask, draw_size
+from runtime.tasks.dataset import DatasetTask
 from runtime.tasks.jsonl import JsonlTask, read_rows
 from runtime.tasks.verifiers import VERIFIERS, get_verifier
 
 
-def build_task(task_spec: Any) -> Task:
-    """The task described by a runtime.spec.TaskSpec (a JSONL file is read and checked here)."""
+def build_task(task_spec: Any, model_path: str | None = None) -> Task:
+    """The task described by a runtime.spec.TaskSpec (a dataset file is read and checked here). ``model_path``:
+    the model directory whose tokenizer's chat template the dataset task applies with ``task.chat_template``."""
+    if task_spec.name == "dataset":
+        return DatasetTask(task_spec, model_path)
     if task_spec.name == "jsonl":
         if not task_spec.path:
             raise TaskError("task.path: task `jsonl` needs a JSONL file")
@@ -25,6 +29,7 @@ __all__ = [
     "GENERATORS",
     "VERIFIERS",
     "BuiltinTask",
+    "DatasetTask",
     "JsonlTask",
     "Task",
     "TaskError",

@@ -97,7 +97,7 @@ def run_sft(
         raise ValueError("batch_size must be >= 1 and lr > 0")
     set_threads(spec.resources.threads_per_process)
     device = resolve_device(spec.resources.device)
-    task = build_task(spec.task)  # a bad dataset fails before the model is built
+    task = build_task(spec.task, spec.model.path)  # a bad dataset fails before the model is built
     manual_seed_all(spec.seed)
     model, tok = build_policy(spec.model, device, seed=spec.seed)
     examples = [encode_example(tok, p) for p in task.train_prompts()]

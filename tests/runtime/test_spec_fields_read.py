@@ -3,7 +3,7 @@ read after validation, and each field the mode accepts (MODE_ONLY refuses the re
 EXEMPT with why and the test that proves it acts. A new spec field that nothing reads fails here.
 
 Reads count wherever the run reads the spec: the trainer's process, its threads, and (async) the rollout
-processes. Reads while a spec is loaded, validated (every validator of every spec model) or resolved do not:
+processes and a workload's evaluator process. Reads while a spec is loaded, validated (every validator of every spec model) or resolved do not:
 they check or record a knob, they do not act on it.
 """
 
@@ -20,8 +20,10 @@ import pytest
 import torch
 from pydantic import BaseModel
 
+import runtime.evaluation.process
 import runtime.pipeline.instance_pool
 from runtime import spec as spec_module
+from runtime.evaluation.process import evaluator_process
 from runtime.pipeline import run
 from runtime.rollout.instance import rollout_process
 from runtime.spec import MODE_ONLY, RunSpec, load_spec
@@ -134,39 +136,44 @@ def _recording_getattribute(reads: set[str], sink: Path | None = None) -> Any:
     return __getattribute__
 
 
-class _RecordingRolloutProcess:
-    """The async rollout process, recording the fields it reads into ``sink/<pid>.reads`` (a spawned child:
-    pickled by reference, so this class lives at module level)."""
+# The processes a run spawns that read the spec: async rollout instances and a workload's evaluator process.
+_CHILDREN = {"rollout": rollout_process, "evaluator": evaluator_process}
 
-    def __init__(self, sink: Path):
-        self.sink = sink
+
+class _RecordingProcess:
+    """A spawned child's entry point (``_CHILDREN[kind]``), recording the fields it reads into
+    ``sink/<pid>.reads`` (pickled by reference, so this class lives at module level)."""
+
+    def __init__(self, sink: Path, kind: str):
+        self.sink, self.kind = sink, kind
 
     def __call__(self, *args: Any) -> None:
         reads: set[str] = set()
         spec_module._Section.__getattribute__ = _recording_getattribute(reads, self.sink / f"{os.getpid()}.reads")
-        rollout_process(*args)
+        _CHILDREN[self.kind](*args)
 
 
 class Recorded:
-    """The fields read from now on: by this process (``here``), by the rollout processes it spawns."""
+    """The fields read from now on: by this process (``here``), by the processes it spawns."""
 
     def __init__(self, here: set[str], sink: Path):
         self.here, self.sink = here, sink
 
-    def in_rollout_processes(self) -> set[str]:
+    def in_child_processes(self) -> set[str]:
         return {line for f in self.sink.glob("*.reads") for line in f.read_text().split()}
 
     def everywhere(self) -> set[str]:
-        return self.here | self.in_rollout_processes()
+        return self.here | self.in_child_processes()
 
 
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
     reads: set[str] = set()
     monkeypatch.setattr(spec_module._Section, "__getattribute__", _recording_getattribute(reads))
-    sink = tmp_path / "rollout-reads"
+    sink = tmp_path / "child-reads"
     sink.mkdir()
-    monkeypatch.setattr(runtime.pipeline.instance_pool, "rollout_process", _RecordingRolloutProcess(sink))
+    monkeypatch.setattr(runtime.pipeline.instance_pool, "rollout_process", _RecordingProcess(sink, "rollout"))
+    monkeypatch.setattr(runtime.evaluation.process, "evaluator_process", _RecordingProcess(sink, "evaluator"))
     return Recorded(reads, sink)
 
 
@@ -181,6 +188,8 @@ def files(tmp_path_factory):
     for name, words in (("train", ["ab", "abc", "ba", "cab", "bca", "ca"]), ("eval", ["ac", "cb"])):
         rows = [json.dumps({"prompt": w, "answer": w[::-1]}) for w in words]
         (root / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+    sums = [json.dumps({"q": f"{a}+{b}=", "a": f"#### {a + b}"}) for a in range(3) for b in range(3)]
+    (root / "sums.jsonl").write_text("\n".join(sums) + "\n")
     return root
 
 
@@ -192,9 +201,9 @@ def reward_url():
 
 
 def _tiny_runs(mode: str, tmp_path: Path, files: Path, reward_url: str) -> list[RunSpec]:
-    """Two tiny runs of ``mode`` that between them take every path a spec can choose without extra
-    processes: GRPO on a built-in model and task; PPO on a model directory, a JSONL task and a reward service.
-    Both evaluate and checkpoint every step, keeping the best."""
+    """Three tiny runs of ``mode`` that between them take every path a spec can choose without extra
+    processes: GRPO on a built-in model and task; PPO on a model directory, a JSONL task and a reward service
+    (these two evaluate and checkpoint every step, keeping the best); GRPO on the dataset task."""
     every_step = {
         "pipeline__mode": mode,
         "pipeline__steps": 2,
@@ -209,7 +218,15 @@ def _tiny_runs(mode: str, tmp_path: Path, files: Path, reward_url: str) -> list[
     )
     # the whole section: a built-in task's sizes do not act on a jsonl one (runtime.spec.ACTS_ONLY_WITH)
     from_files["task"] = {"name": "jsonl", "path": str(files / "train.jsonl"), "eval_path": str(files / "eval.jsonl")}
-    llm = [tiny_spec(tmp_path, "builtin", **every_step), tiny_spec(tmp_path, "files", from_files, **every_step)]
+    # the dataset task's knobs (task.chat_template acts with a model directory's tokenizer; this one is the
+    # character tokenizer, so the run reads it at its default)
+    from_dataset = derived(model={"builtin": None, "path": str(files / "model"), "tokenizer": "auto"})
+    from_dataset["task"] = {"name": "dataset", "path": str(files / "sums.jsonl"), "prompt_key": "q", "answer_key": "a"}
+    llm = [
+        tiny_spec(tmp_path, "builtin", **every_step),
+        tiny_spec(tmp_path, "files", from_files, **every_step),
+        tiny_spec(tmp_path, "dataset", from_dataset, pipeline__mode=mode, pipeline__steps=1),
+    ]
     return llm + _gym_runs(tmp_path, mode)
 
 
@@ -256,7 +273,7 @@ def test_every_field_a_mode_accepts_is_read_on_its_run_path(mode, recorded, tmp_
     for spec in specs:
         run(spec)
     if mode == "async":  # the rollout processes sample: their reads are recorded too
-        assert "rollout.top_p" in recorded.in_rollout_processes()
+        assert "rollout.top_p" in recorded.in_child_processes()
     read = recorded.everywhere()
     # what acts in one of the runs (the mode's knobs; the algorithm's and task's of that run)
     accepted = {path for path in LEAVES for spec in specs if spec.acts(path)}

@@ -97,6 +97,7 @@ def test_the_resolved_spec_records_only_the_knobs_that_act_and_validates_again(m
 # Knobs that act only with some algorithms or tasks: a value other than the default, a spec section where
 # it acts, and one where it does not.
 JSONL = {"name": "jsonl", "path": "data/train.jsonl"}
+DATASET = {"name": "dataset", "path": "data/train.parquet"}
 WITH = {
     "algorithm.gamma": (0.9, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
     "algorithm.lam": (0.9, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
@@ -108,6 +109,10 @@ WITH = {
     "task.min_len": (2, {"task": {"name": "copy"}}, {"task": JSONL}),
     "task.max_len": (4, {"task": {"name": "copy"}}, {"task": JSONL}),
     "task.verifier": ("numeric", {"task": JSONL}, {"task": {"name": "copy"}}),
+    "task.prompt_key": ("problem", {"task": DATASET}, {"task": JSONL}),
+    "task.answer_key": ("solution", {"task": DATASET}, {"task": JSONL}),
+    "task.system_prompt": ("Be brief.", {"task": DATASET}, {"task": {"name": "copy"}}),
+    "task.chat_template": (True, {"task": DATASET, "model": {"builtin": None, "path": "m"}}, {"task": DATASET}),
 }
 # workload gym: each learner's knobs act with its algorithm only
 _GYM = {"workload": "gym", "env": {"id": "CartPole-v1"}}

@@ -163,17 +163,18 @@ def test_retention_drops_a_record_pointing_into_another_run_but_not_its_files(
 
 def _spec(field, path):
     section, name = field.split(".")
-    extra = {"model": "", "task": "  name: jsonl\n"}[section]
+    extra = {"model": "", "task": "  name: jsonl\n", "agent": ""}[section]
     if field == "task.eval_path":
         extra += "  path: /no-data-root/train.jsonl\n"  # refused too: the error list names both fields
-    return f"name: probe\n{section}:\n{extra}  {name}: {path}\n"
+    workload = "workload: gym\nenv:\n  id: CartPole-v1\n" if section == "agent" else ""
+    return f"name: probe\n{workload}{section}:\n{extra}  {name}: {path}\n"
 
 
 def _submit(as_user, owner, team_a, spec, **extra):
     return as_user(owner, team_a).post("/api/runs/", {"experiment": "exp-a", "spec": spec, **extra}, format="json")
 
 
-@pytest.mark.parametrize("field", ["model.path", "task.path", "task.eval_path"])
+@pytest.mark.parametrize("field", ["model.path", "task.path", "task.eval_path", "agent.init_path"])
 def test_a_spec_path_into_another_teams_run_is_refused_alike_whether_it_exists_or_not(
     as_user, owner, team_a, experiment, their_checkpoint, field
 ):
@@ -288,7 +289,7 @@ def test_a_fork_from_another_teams_checkpoint_is_refused(owner, experiment, thei
 
 
 def test_every_path_field_of_the_spec_is_confined():
-    assert confinement.SPEC_PATH_FIELDS == ("model.path", "task.path", "task.eval_path")
+    assert confinement.SPEC_PATH_FIELDS == ("model.path", "task.path", "task.eval_path", "agent.init_path")
 
 
 def test_an_admin_sets_a_teams_data_roots_absolute_only_and_audited(team_a, superuser, client):

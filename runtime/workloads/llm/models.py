@@ -44,4 +44,4 @@ def build_engine(model: Any, tokenizer: Any, device: torch.device, spec: RunSpec
 def build_task(spec: RunSpec) -> Any:
     from runtime.tasks import build_task as _build
 
-    return _build(spec.task)
+    return _build(spec.task, spec.model.path)  # the model directory: its tokenizer's chat template
