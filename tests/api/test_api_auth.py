@@ -48,6 +48,8 @@ ENDPOINTS = [
     ("get", "/api/runs/1/"),
     ("post", "/api/runs/1/cancel/"),
     ("get", "/api/runs/1/wait/"),
+    ("post", "/api/runs/plan/"),
+    ("get", "/api/runs/1/start-estimate/"),
     # The live UI's routes (jobs.api.live)
     ("get", "/api/runs/1/metrics/"),
     ("get", "/api/runs/1/metrics/keys/"),
@@ -69,7 +71,7 @@ def test_the_endpoint_list_covers_every_route_of_the_user_api():
     from rlplatform.urls import router
 
     routes = {str(pattern.pattern) for pattern in router.urls}
-    assert len(routes) == 32
+    assert len(routes) == 34
     listed = [path.lstrip("/") for _m, path in ENDPOINTS]
     for route in routes:
         regex = re.compile(route.replace("^", "^api/"))
