@@ -1,0 +1,581 @@
+"""Tandem vs Hugging Face TRL's ``GRPOTrainer``, side by side, as a user choosing a tool would try them.
+
+Both systems start from the same SFT warm-start checkpoint with the same character tokenizer (TRL gets
+``CharTokenizer.to_hf()`` with a ``<bos> $A`` post-processor, checked to give the identical prompt ids),
+train on the same task's prompts with the project's own verifier as the reward (TRL calls
+``Task.score``), 16 prompts x 8 generations per step, AdamW at lr 1e-4, ratio clip 0.2, token-mean
+loss, no KL, fp32, one optimizer update per batch, one torch thread per process, under the same
+wall-clock budget counted from process start. Every run is a process of its own, launched by this
+script; the runs are interleaved in rounds: TRL, Tandem sync, Tandem async, Tandem colocated.
+
+Figures per run: samples/s and generated tokens/s over the budget (process start to the end of the
+last step), steady-state samples/s (end of the first step to the end of the last), start-up (process
+start to the end of the first step), peak memory of the process tree (sum of the RSS of the process
+and its descendants, sampled every 0.2 s; shared pages count once per process), the training
+accuracy per step, the time until the training accuracy (mean of the last 10 steps) first reaches
+``--threshold`` (a proxy: held-out accuracy during training would cost evaluations inside the
+budget), and the held-out greedy and sampled (temperature 1, 4 per prompt) accuracy of every final
+model, all scored afterwards by the project's evaluator (``runtime.evaluation.evaluator.evaluate``).
+
+Workloads:
+
+* ``train-heavy`` — ``reverse``, sizes 1-6, 12 new tokens: answers of 1-6 characters, so a step is
+  mostly the trainer's forward and backward passes.
+* ``gen-heavy`` — ``repeat``, sizes 1-64, 128 new tokens: the answer is the pattern (1-2 letters)
+  repeated ``size`` times, so answers are long-tailed up to 128 tokens (sizes are Zipf-like: most are
+  short, a few are very long) and a step is mostly decoding; ``reverse`` cannot get there (its answers
+  are as long as its prompts, and long prompts make the step training-heavy again).
+
+TRL settings changed from its shipped defaults to match Tandem are listed in the output
+(``TRL_MATCHED``); one round of TRL with its shipped training defaults (lr 1e-6, bf16, gradient
+checkpointing, linear schedule) on the same workload is reported beside (``trl-defaults``).
+
+TRL is a benchmark-only dependency: it lives in its own virtual environment, never in the project's.
+Create it once (TRL 1.13 imports ``requests`` without declaring it)::
+
+    python3.11 -m venv /work/trl-venv
+    /work/trl-venv/bin/pip install torch==2.13.0        # the CPU wheel
+    /work/trl-venv/bin/pip install -r requirements.txt -r requirements-bench.txt
+
+Usage (the script runs under that venv; it imports both ``runtime`` and ``trl``)::
+
+    /work/trl-venv/bin/python bench/peer_trl.py --quick   # one round of train-heavy, 2 steps a run (37 s at load 1.7, 77 s at load 6)
+    /work/trl-venv/bin/python bench/peer_trl.py --budget 180 --rounds 2
+    /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --budget 90 --rounds 2   # recorded
+
+The last line printed is one JSON object with every figure and the ratios vs TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SEED = 0
+PROMPTS_PER_STEP = 16
+GROUP_SIZE = 8
+SAMPLES_PER_STEP = PROMPTS_PER_STEP * GROUP_SIZE
+LR = 1e-4
+CLIP = 0.2
+MIN_STEPS = 2  # runs go on past the budget until the steady-state figure (steps after the first) exists
+STEADY_WINDOW = 10  # steps averaged for the training-accuracy threshold
+
+
+@dataclass(frozen=True)
+class Workload:
+    task: str
+    min_len: int
+    max_len: int
+    max_new_tokens: int
+    sft_steps: int
+    eval_size: int
+    threshold: float  # training accuracy (mean of the last STEADY_WINDOW steps) for the time-to-threshold
+
+
+WORKLOADS = {
+    "train-heavy": Workload("reverse", 1, 6, 12, 35, 256, 0.5),
+    "gen-heavy": Workload("repeat", 1, 64, 128, 60, 128, 0.2),
+}
+
+# Tandem runs: pipeline fields on top of the shared spec. Async keeps its defaults (lag 1, throttle).
+TANDEM_MODES = {"tandem-sync": "sync", "tandem-async": "async", "tandem-colocated": "colocated"}
+SYSTEMS = ("trl", *TANDEM_MODES)
+
+# GRPOConfig fields set away from TRL 1.13's shipped defaults to match the Tandem run (field: (default, ours)).
+TRL_MATCHED = {
+    "learning_rate": (1e-6, LR),
+    "lr_scheduler_type": ("linear", "constant"),
+    "bf16": (True, False),
+    "gradient_checkpointing": (True, False),
+}
+# Set in both TRL runs: the workload itself and bookkeeping (not training choices).
+TRL_WORKLOAD = {
+    "per_device_train_batch_size": SAMPLES_PER_STEP,  # default 8: 16 prompts x 8 generations per update
+    "gradient_accumulation_steps": 1,
+    "num_generations": GROUP_SIZE,
+    "use_cpu": True,
+    "seed": SEED,
+    "max_steps": 1_000_000,  # the wall-clock budget ends the run
+    "save_strategy": "no",
+    "report_to": "none",
+    "logging_steps": 1_000_000,
+    "disable_tqdm": True,
+}
+# Already equal in TRL's defaults and Tandem's: listed so the match can be checked against the installed TRL.
+TRL_ALREADY_EQUAL = {
+    "num_iterations": 1,
+    "steps_per_generation": None,  # = gradient_accumulation_steps: one generation per update
+    "beta": 0.0,
+    "epsilon": CLIP,
+    "loss_type": "dapo",  # token mean over the batch = Tandem's loss_agg token-mean
+    "scale_rewards": "group",
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "max_grad_norm": 1.0,
+    "weight_decay": 0.0,
+    "warmup_steps": 0,
+}
+
+
+# --------------------------------------------------------------------------------------------- specs
+
+
+def tandem_spec(w: Workload, model_dir: str | None, out_dir: str, mode: str = "sync") -> dict[str, Any]:
+    """The Tandem run spec; the TRL child builds its task and evaluator from the same dict."""
+    model: dict[str, Any] = {"path": model_dir, "builtin": None} if model_dir else {"builtin": "tiny-qwen2"}
+    return {
+        "name": f"peer-{mode}",
+        "seed": SEED,
+        "output_dir": out_dir,
+        "model": {**model, "dtype": "float32", "reference": False},  # no KL: no reference copy (TRL: beta 0)
+        "task": {
+            "name": w.task,
+            "min_len": w.min_len,
+            "max_len": w.max_len,
+            "train_size": 4096,
+            "eval_size": w.eval_size,
+        },
+        "algorithm": {"name": "grpo", "group_size": GROUP_SIZE, "clip_eps": CLIP, "kl_coef": 0.0},
+        "trainer": {"lr": LR},
+        "rollout": {"max_new_tokens": w.max_new_tokens, "temperature": 1.0},
+        "pipeline": {"mode": mode, "steps": 1_000_000, "prompts_per_step": PROMPTS_PER_STEP, "eval_interval": 0},
+        "resources": {"threads_per_process": 1},
+        "checkpoint": {"interval": 0, "keep_last": 1},
+        "metrics": {"progress_bar": False},
+    }
+
+
+# --------------------------------------------------------------------------------------------- children
+
+
+def _set_one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> None:
+    """One TRL GRPOTrainer run to the budget; the final model saved where the evaluator can load it."""
+    _set_one_thread()
+    from datasets import Dataset
+    from tokenizers.processors import TemplateProcessing
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from runtime.models import CharTokenizer
+    from runtime.spec import load_spec
+    from runtime.workloads.llm import build_task
+
+    record["t_imported"] = time.time()
+    spec = load_spec(cfg["spec"])
+    task = build_task(spec)
+    prompts = task.train_prompts()
+    char = CharTokenizer()
+    hf = char.to_hf()
+    # The char tokenizer prompts with <bos>; the exported fast tokenizer adds no specials on its own.
+    hf._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", char.bos_id)])
+    mismatch = [p.text for p in prompts if hf(text=p.text)["input_ids"] != char.encode_prompt(p.text)]
+    if mismatch:
+        raise SystemExit(f"TRL tokenizer gives other ids than the char tokenizer, e.g. for {mismatch[0]!r}")
+    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "prompt_index": list(range(len(prompts)))})
+
+    gen_tokens: list[int] = []
+    accuracy: list[float] = []
+
+    def verifier_reward(completions, completion_ids, prompt_index, **_):  # noqa: ANN001 - TRL's call
+        """The project's verifier, via Task.score, on TRL's decoded completions."""
+        rewards = [task.score(prompts[i], text)[0] for i, text in zip(prompt_index, completions, strict=True)]
+        gen_tokens.append(sum(len(ids) for ids in completion_ids))
+        accuracy.append(sum(rewards) / len(rewards))
+        return rewards
+
+    budget_end = launched + cfg["budget_s"]
+    stamps: list[float] = []
+
+    class Budget(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - transformers' signature
+            stamps.append(time.time())
+            if stamps[-1] >= budget_end and len(stamps) >= MIN_STEPS:
+                control.should_training_stop = True
+
+    settings = dict(TRL_WORKLOAD, max_completion_length=cfg["max_new_tokens"])
+    if not cfg["trl_defaults"]:
+        settings.update({k: ours for k, (_, ours) in TRL_MATCHED.items()})
+    args = GRPOConfig(output_dir=str(Path(cfg["run_dir"]) / "trl"), **settings)
+    record["trl_args"] = {k: getattr(args, k) for k in (*TRL_MATCHED, *TRL_ALREADY_EQUAL)}
+    trainer = GRPOTrainer(
+        model=cfg["model_dir"],
+        reward_funcs=verifier_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=hf,
+        callbacks=[Budget()],
+    )
+    record["t_built"] = time.time()
+    trainer.train()
+    final = Path(cfg["run_dir"]) / "final"
+    trainer.model.save_pretrained(str(final))
+    char.save(final)
+    # TRL generates one batch per update, so the rewards list lines up with the step stamps.
+    record.update(stamps=stamps, gen_tokens=gen_tokens[: len(stamps)], train_accuracy=accuracy[: len(stamps)])
+    record["final_model"] = str(final)
+
+
+def child_tandem(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> None:
+    """One Tandem run in ``cfg['mode']`` to the budget (the pipeline's ``stop`` hook)."""
+    _set_one_thread()
+    from runtime.contract import ACCURACY, RESPONSE_LEN_MEAN
+    from runtime.pipeline import run
+    from runtime.spec import load_spec
+
+    record["t_imported"] = time.time()
+    spec = load_spec(cfg["spec"])
+    budget_end = launched + cfg["budget_s"]
+    stamps: list[float] = []
+    gen_tokens: list[int] = []
+    accuracy: list[float] = []
+
+    def stop(step: int, metrics: dict[str, float]) -> bool:
+        stamps.append(time.time())
+        gen_tokens.append(round(metrics[RESPONSE_LEN_MEAN] * SAMPLES_PER_STEP))
+        accuracy.append(metrics[ACCURACY])
+        return stamps[-1] >= budget_end and len(stamps) >= MIN_STEPS
+
+    record["t_built"] = time.time()  # Tandem builds its model inside run(): start-up covers it
+    result = run(spec, stop=stop)
+    record.update(stamps=stamps, gen_tokens=gen_tokens, train_accuracy=accuracy)
+    record["final_model"] = str(Path(result["checkpoint"]) / "policy")
+
+
+def child_main(system: str, config_path: str, launched: float, out_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    record: dict[str, Any] = {"system": system, "t_launch": launched, "pid": os.getpid()}
+    if system.startswith("trl"):
+        child_trl(cfg, launched, record)
+    else:
+        child_tandem(cfg, launched, record)
+    Path(out_path).write_text(json.dumps(record))
+
+
+# --------------------------------------------------------------------------------------------- parent
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass  # exited meanwhile
+    return out
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Sum of the resident set sizes of ``root`` and its descendants (Linux /proc)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, frontier = 0, [root]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except (OSError, IndexError):
+            continue
+        frontier += _children(pid)
+    return total
+
+
+class PeakRss:
+    """Samples a process tree's summed RSS every ``interval`` seconds on a thread; ``peak`` is the largest seen."""
+
+    def __init__(self, pid: int, interval: float = 0.2):
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def launch(system: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Run one system as a child process; its record plus the parent's measurements."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {**cfg, "run_dir": str(run_dir)}
+    config_path, out_path, log_path = run_dir / "config.json", run_dir / "record.json", run_dir / "log.txt"
+    config_path.write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    load_before = os.getloadavg()[0]
+    with log_path.open("w") as log:
+        launched = time.time()
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child", system, str(config_path), repr(launched), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+        sampler = PeakRss(child.pid)
+        rc = child.wait()
+        peak = sampler.stop()
+    if rc != 0:
+        tail = log_path.read_text()[-3000:]
+        raise SystemExit(f"{system} failed (exit {rc}); last lines of {log_path}:\n{tail}")
+    record = json.loads(out_path.read_text())
+    record.update(peak_rss_mib=peak / 2**20, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)])
+    return record
+
+
+def figures(record: dict[str, Any], threshold: float) -> dict[str, Any]:
+    """Throughput, start-up and time-to-threshold of one run from its step-end stamps."""
+    stamps, launched = record["stamps"], record["t_launch"]
+    steps = len(stamps)
+    total_s = stamps[-1] - launched
+    steady_s = stamps[-1] - stamps[0]
+    window = record["train_accuracy"]
+    reached = None
+    for i in range(STEADY_WINDOW - 1, steps):
+        if statistics.fmean(window[i - STEADY_WINDOW + 1 : i + 1]) >= threshold:
+            reached = stamps[i] - launched
+            break
+    return {
+        "steps": steps,
+        "samples_per_s": steps * SAMPLES_PER_STEP / total_s,
+        "gen_tokens_per_s": sum(record["gen_tokens"]) / total_s,
+        "steady_samples_per_s": (steps - 1) * SAMPLES_PER_STEP / steady_s if steps > 1 else None,
+        "startup_s": stamps[0] - launched,
+        "import_s": record["t_imported"] - launched,
+        "mean_response_tokens": sum(record["gen_tokens"]) / (steps * SAMPLES_PER_STEP),
+        "train_accuracy_last10": statistics.fmean(window[-STEADY_WINDOW:]),
+        "time_to_threshold_s": reached,
+        "peak_rss_mib": record["peak_rss_mib"],
+        "loadavg_1m": record["loadavg_1m"],
+    }
+
+
+def heldout(spec_data: dict[str, Any], model_dir: str, max_new_tokens: int) -> dict[str, float]:
+    """Greedy and sampled (T=1, 4 per prompt) held-out accuracy of a saved model, by the project's evaluator."""
+    import torch
+
+    from runtime.evaluation.evaluator import evaluate
+    from runtime.models import build_policy
+    from runtime.spec import load_spec
+    from runtime.workloads.llm import build_engine, build_task
+
+    data = json.loads(json.dumps(spec_data))
+    data["model"] = {"path": model_dir, "builtin": None}
+    spec = load_spec(data)
+    model, tok = build_policy(spec.model, "cpu")
+    model.eval()
+    task = build_task(spec)
+    engine = build_engine(model, tok, torch.device("cpu"), spec)
+    prompts = task.eval_prompts()
+    greedy = evaluate(engine, tok, task, prompts, max_new_tokens, 64)["eval/accuracy"]
+    sampled = evaluate(engine, tok, task, prompts, max_new_tokens, 64, temperature=1.0, n=4, seed=7)["eval/accuracy"]
+    n = len(prompts)
+    return {"greedy": greedy, "greedy_se": math.sqrt(greedy * (1 - greedy) / n), "sampled": sampled}
+
+
+def sft_warm_start(w: Workload, out: Path) -> Path:
+    from runtime.spec import load_spec
+    from runtime.train.sft import run_sft
+
+    model_dir = out / "sft"
+    spec = load_spec(tandem_spec(w, None, str(out / "sft-run")))
+    run_sft(spec, w.sft_steps, model_dir, log=None)
+    return model_dir
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _se(values: list[float]) -> float | None:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians over rounds per system, and per-round ratios to TRL of the same round."""
+    out: dict[str, Any] = {}
+    trl = runs["trl"]
+    for system, rounds in runs.items():
+        greedy = [r["heldout"]["greedy"] for r in rounds]
+        sampled = [r["heldout"]["sampled"] for r in rounds]
+        row: dict[str, Any] = {
+            key: _median([r[key] for r in rounds])
+            for key in (
+                "samples_per_s",
+                "gen_tokens_per_s",
+                "steady_samples_per_s",
+                "startup_s",
+                "import_s",
+                "mean_response_tokens",
+                "time_to_threshold_s",
+            )
+        }
+        row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in rounds)
+        row["heldout_greedy"] = statistics.fmean(greedy)
+        row["heldout_greedy_se"] = _se(greedy) or rounds[0]["heldout"]["greedy_se"]
+        row["heldout_sampled"] = statistics.fmean(sampled)
+        row["samples_per_s_by_round"] = [round(r["samples_per_s"], 1) for r in rounds]
+        if system != "trl-defaults":
+            row["vs_trl_by_round"] = [
+                round(r["samples_per_s"] / t["samples_per_s"], 3) for r, t in zip(rounds, trl, strict=True)
+            ]
+            row["vs_trl"] = statistics.median(row["vs_trl_by_round"])
+            steady = [
+                r["steady_samples_per_s"] / t["steady_samples_per_s"]
+                for r, t in zip(rounds, trl, strict=True)
+                if r["steady_samples_per_s"] and t["steady_samples_per_s"]
+            ]
+            row["steady_vs_trl"] = statistics.median(steady) if steady else None
+        row["rounds"] = [{k: v for k, v in r.items() if k not in ("spec",)} for r in rounds]
+        out[system] = row
+    return out
+
+
+def print_table(name: str, w: Workload, table: dict[str, Any], before: dict[str, float]) -> None:
+    print(f"\n== {name}: {w.task} sizes {w.min_len}-{w.max_len}, {w.max_new_tokens} new tokens ==")
+    print(
+        f"{'system':17} {'samples/s':>9} {'vs TRL':>7} {'steady':>7} {'st.vsTRL':>8} {'gen tok/s':>9} {'resp':>5} "
+        f"{'start s':>7} {'import':>6} {'t>thr':>6} {'RSS MiB':>7} {'greedy':>12} {'sampled':>7}"
+    )
+    for system, r in table.items():
+
+        def fmt(v: float | None, spec: str) -> str:
+            return "-" if v is None else format(v, spec)
+
+        print(
+            f"{system:17} {r['samples_per_s']:9.1f} {fmt(r.get('vs_trl'), '6.2f')}x {fmt(r['steady_samples_per_s'], '7.1f')}"
+            f" {fmt(r.get('steady_vs_trl'), '7.2f')}x {r['gen_tokens_per_s']:9.0f} {r['mean_response_tokens']:5.1f}"
+            f" {r['startup_s']:7.1f} {r['import_s']:6.1f} {fmt(r['time_to_threshold_s'], '6.0f')}"
+            f" {r['peak_rss_mib']:7.0f} {r['heldout_greedy']:6.3f}±{r['heldout_greedy_se']:.3f}"
+            f" {r['heldout_sampled']:7.3f}"
+        )
+        print(f"{'':17} samples/s by round {r['samples_per_s_by_round']}, vs TRL {r.get('vs_trl_by_round', '-')}")
+    print(f"held-out accuracy of the warm start: greedy {before['greedy']:.3f}, sampled {before['sampled']:.3f}")
+
+
+def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    started = time.time()
+    model_dir = sft_warm_start(w, out)
+    sft_s = time.time() - started
+    before = heldout(tandem_spec(w, str(model_dir), str(out / "unused")), str(model_dir), w.max_new_tokens)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    if args.trl_defaults:
+        runs["trl-defaults"] = []
+    for k in range(args.rounds):
+        order = list(SYSTEMS) + (["trl-defaults"] if args.trl_defaults and k == 0 else [])
+        for system in order:
+            mode = TANDEM_MODES.get(system, "sync")
+            run_dir = out / f"{system}-{k}"
+            spec = tandem_spec(w, str(model_dir), str(run_dir / "tandem"), mode)
+            cfg = {
+                "spec": spec,
+                "mode": mode,
+                "model_dir": str(model_dir),
+                "budget_s": args.budget,
+                "max_new_tokens": w.max_new_tokens,
+                "trl_defaults": system == "trl-defaults",
+            }
+            record = launch(system, cfg, run_dir)
+            result = figures(record, w.threshold)
+            result["heldout"] = heldout(spec, record["final_model"], w.max_new_tokens)
+            if "trl_args" in record:
+                result["trl_args"] = record["trl_args"]
+            runs[system].append(result)
+            print(
+                f"[{name} round {k}] {system:17} {result['steps']:4d} steps, {result['samples_per_s']:6.1f} samples/s, "
+                f"start-up {result['startup_s']:4.1f}s, peak RSS {result['peak_rss_mib']:4.0f} MiB, "
+                f"greedy {result['heldout']['greedy']:.3f}, load {result['loadavg_1m']}",
+                flush=True,
+            )
+    table = summarise(runs)
+    print_table(name, w, table, before)
+    return {"workload": asdict(w), "sft_s": sft_s, "heldout_before": before, "systems": table}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="one round of train-heavy, 2 steps per run (about a minute)"
+    )
+    parser.add_argument("--budget", type=float, default=180.0, help="seconds per run, counted from process start")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the four systems")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--no-trl-defaults", dest="trl_defaults", action="store_false", help="skip the TRL shipped-defaults round"
+    )
+    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "CONFIG", "LAUNCHED", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        system, config, launched, out_path = args.child
+        child_main(system, config, float(launched), out_path)
+        return
+    workloads = dict(WORKLOADS)
+    if args.quick:
+        args.budget, args.rounds, args.trl_defaults = 0.0, 1, False  # MIN_STEPS steps per run
+        args.workloads = ["train-heavy"]
+        workloads["train-heavy"] = Workload("reverse", 1, 6, 12, 10, 32, 0.5)
+    _set_one_thread()
+    from importlib.metadata import version
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    trl_version = version("trl")  # the children import trl; the parent needs only its version
+
+    summary: dict[str, Any] = {
+        "trl_version": trl_version,
+        "machine": f"{os.cpu_count()} cores",
+        "loadavg_start": loadavg(),
+        "budget_s": args.budget,
+        "rounds": args.rounds,
+        "samples_per_step": SAMPLES_PER_STEP,
+        "trl_changed_from_defaults": {k: {"default": d, "set": v} for k, (d, v) in TRL_MATCHED.items()},
+        "trl_workload_settings": TRL_WORKLOAD,
+        "trl_defaults_already_matching": TRL_ALREADY_EQUAL,
+    }
+    print(f"load average at start: {summary['loadavg_start']} ({summary['machine']}); TRL {trl_version}")
+    print(
+        "TRL settings changed from its defaults to match Tandem: "
+        + ", ".join(f"{k} {d} -> {v}" for k, (d, v) in TRL_MATCHED.items())
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as tmp:
+        for name in args.workloads:
+            summary[name] = run_workload(name, workloads[name], args, Path(tmp) / name)
+    summary["loadavg_end"] = loadavg()
+    print(f"load average at end: {summary['loadavg_end']}")
+    print(json.dumps(summary, default=str))
+
+
+if __name__ == "__main__":
+    main()
