@@ -103,3 +103,27 @@ def test_spawned_rollout_process_receives_published_version():
     proc.join(30)
     assert proc.exitcode == 0
     assert version == 3 and weight == [[3.0] * 3] * 2 and bias == [3.0, 3.0]
+
+
+class _CountingSubscriber(WeightSubscriber):
+    """Counts its looks at the buffer's version."""
+
+    looks = 0
+
+    @property
+    def latest_version(self) -> int:
+        self.looks += 1
+        return super().latest_version
+
+
+def test_a_throttled_reader_backs_off_while_it_waits_and_still_sees_a_new_version():
+    svc = WeightService(keep=0)
+    shared = svc.shared_handle(_state(0.0))
+    sub = _CountingSubscriber(shared, current_version=0)
+    assert sub.wait_for(1, timeout=0.3) is False
+    # the interval doubles from 1 ms to 16 ms: about 23 looks in 0.3 s (a busy machine sleeps longer: fewer);
+    # a fixed 2 ms poll looked 150 times, each a wake-up taken from the trainer's cores
+    assert 2 <= sub.looks <= 30
+    svc.publish(_state(1.0))
+    sub.looks = 0
+    assert sub.wait_for(1, timeout=0.3) is True and sub.looks == 1  # already there: no sleep at all
