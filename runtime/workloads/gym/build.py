@@ -4,6 +4,8 @@ that takes published weights; ``ColocatedEngine``, the learner's own networks)."
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import gymnasium as gym
 import torch
 
@@ -14,43 +16,14 @@ from runtime.workloads.gym.networks import EpsilonGreedyPolicy, Policy
 
 
 def learner_config(spec: RunSpec) -> PPOConfig | DQNConfig:
-    """The learner's configuration from the spec's ``agent`` section (its validator filled the algorithm's
-    defaults of ``activation`` and ``max_grad_norm``)."""
+    """The learner's configuration from the spec's ``agent`` section: every configuration field the section
+    has, by name; the others keep their defaults (``adam_eps``, ``normalize_advantages``, ``huber_delta``).
+    The section's validator filled the algorithm's defaults of ``activation`` and ``max_grad_norm``."""
     a = spec.agent
-    assert a.activation is not None and a.max_grad_norm is not None
-    if a.algorithm == "ppo":
-        return PPOConfig(
-            hidden=tuple(a.hidden),
-            activation=a.activation,
-            normalize_obs=a.normalize_obs,
-            gamma=a.gamma,
-            max_grad_norm=a.max_grad_norm,
-            lam=a.lam,
-            clip=a.clip,
-            value_clip=a.value_clip,
-            entropy_coef=a.entropy_coef,
-            epochs=a.epochs,
-            minibatches=a.minibatches,
-            actor_lr=a.actor_lr,
-            critic_lr=a.critic_lr,
-        )
-    return DQNConfig(
-        hidden=tuple(a.hidden),
-        activation=a.activation,
-        normalize_obs=a.normalize_obs,
-        gamma=a.gamma,
-        max_grad_norm=a.max_grad_norm,
-        lr=a.lr,
-        buffer_size=a.buffer_size,
-        batch_size=a.batch_size,
-        learning_starts=a.learning_starts,
-        updates_per_step=a.updates_per_step,
-        target_update_interval=a.target_update_interval,
-        tau=a.tau,
-        epsilon_start=a.epsilon_start,
-        epsilon_end=a.epsilon_end,
-        epsilon_decay_steps=a.epsilon_decay_steps,
-    )
+    cls: type[PPOConfig] | type[DQNConfig] = PPOConfig if a.algorithm == "ppo" else DQNConfig
+    values = {f.name: getattr(a, f.name) for f in fields(cls) if f.name in type(a).model_fields}
+    values["hidden"] = tuple(a.hidden)
+    return cls(**values)
 
 
 def one_env(spec: RunSpec) -> gym.Env:
