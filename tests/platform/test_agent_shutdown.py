@@ -7,12 +7,10 @@ embedded defaults: tests/platform/test_demo_shutdown.py."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
 import uuid
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -21,9 +19,9 @@ from django.db import connection
 
 from rlplatform import shutdown
 from rlplatform.models import Host, ResourceGroup
-from tests.platform.test_agent_worker import _test_database_url, _wait_for
+from tests.platform.test_agent_worker import _test_database_url
+from tests.platform.worker_sigterm import ROOT, sigterm_worker
 
-ROOT = Path(__file__).resolve().parents[2]
 EXIT_S = 10.0  # the bound the issue sets on a host agent's shutdown
 AGENT_REDIS_DB = 12  # a database of its own: nothing queued here reaches another test's worker
 
@@ -64,33 +62,17 @@ def test_the_host_agent_ends_within_seconds_on_sigterm_and_marks_its_host_offlin
     log = tmp_path / "worker.log"
     command = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--concurrency", "2"]
     command += ["-n", f"{name}@%h", "-Q", f"idle.{name}", "--without-gossip", "--without-mingle", "-l", "INFO"]
-    with log.open("w") as out:
-        # A session of its own: a group kill reaches the worker's processes and nothing else.
-        worker = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def sigterm() -> None:
-        if to_group:
-            os.killpg(worker.pid, signal.SIGTERM)
-        else:
-            worker.send_signal(signal.SIGTERM)
-
     try:
-        _wait_for(lambda: Host.objects.filter(name=name, status="online").exists(), "register its host", log)
-        _wait_for(lambda: "ready." in log.read_text(), "get ready", log)
-        sigterm()
-        if sigterms == 2:  # the second arrives while the first's warm shutdown is under way
-            _wait_for(lambda: "Warm shutdown" in log.read_text(), "start its warm shutdown", log)
-            sigterm()
-        try:
-            worker.wait(timeout=EXIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the worker did not exit within {EXIT_S:g} s of SIGTERM; its log:\n{log.read_text()[-4000:]}")
+        worker = sigterm_worker(
+            command,
+            env,
+            log,
+            lambda: Host.objects.filter(name=name, status="online").exists(),
+            to_group=to_group,
+            sigterms=sigterms,
+            exit_s=EXIT_S,
+        )
     finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
         redis.Redis.from_url(_redis_url()).flushdb()
     text = log.read_text()
     assert worker.returncode == 0, text[-4000:]

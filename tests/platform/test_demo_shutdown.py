@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.platform.worker_sigterm import ROOT, sigterm_worker
+
 WORKER_EXIT_S = 10.0  # the bound the issue sets on the worker's shutdown
 DEMO_EXIT_S = 15.0  # ... and on `make demo`'s, after Ctrl-C
 WAIT_S = 60.0  # ceiling for a state to be reached on a loaded 2-core machine
@@ -98,35 +99,18 @@ def test_the_demo_worker_ends_within_10_s_of_sigterm_by_itself(demo_database, tm
         "TANDEM_HOST_ADDRESS": "127.0.0.1",
     }
     log = tmp_path / "worker.log"
-    # As scripts/demo.sh starts it, in a session of its own (a group kill reaches the worker's processes only).
+    # as scripts/demo.sh starts it
     command = [sys.executable, "-m", "celery", "-A", "rlplatform", "worker", "--loglevel=info", "--concurrency=2"]
     command.append("--queues=default")
-    with log.open("w") as out:
-        worker = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def sigterm() -> None:
-        if to_group:
-            os.killpg(worker.pid, signal.SIGTERM)
-        else:
-            worker.send_signal(signal.SIGTERM)
-
-    try:
-        _wait_for(lambda: "host local registered in group local-cpu" in log.read_text(), "the host registered", [log])
-        _wait_for(lambda: "ready." in log.read_text(), "the worker ready", [log])
-        sigterm()
-        if sigterms == 2:  # the second arrives while the first's warm shutdown is under way
-            _wait_for(lambda: "Warm shutdown" in log.read_text(), "the warm shutdown started", [log])
-            sigterm()
-        try:
-            worker.wait(timeout=WORKER_EXIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the worker did not exit within {WORKER_EXIT_S:g} s of SIGTERM\n" + _tails([log]))
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+    worker = sigterm_worker(
+        command,
+        env,
+        log,
+        lambda: "host local registered in group local-cpu" in log.read_text(),
+        to_group=to_group,
+        sigterms=sigterms,
+        exit_s=WORKER_EXIT_S,
+    )
     text = log.read_text()
     assert worker.returncode == 0, text[-4000:]
     assert "host agent local: host marked offline" in text

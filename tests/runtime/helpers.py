@@ -1,10 +1,16 @@
-"""Helpers of the runtime tests: the tiny run spec the pipeline tests start from."""
+"""Helpers of the runtime tests: the tiny run spec the pipeline tests start from, and a remote rollout process."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from runtime.spec import RunSpec, load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A random tiny model on a short reversal task: a step takes a fraction of a second on one thread.
 TINY: dict[str, Any] = {
@@ -51,3 +57,17 @@ def assert_each_group_once(consumed_steps: list[list[int]], *others: list[int]) 
     assert len(everything) == len(set(everything))  # nothing twice
     assert set(everything) == set(range(max(everything) + 1))  # nothing lost
     return consumed
+
+
+def remote_rollout(spec_path: Path, index: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m runtime rollout SPEC --index I``: a remote rollout instance as a process of its own, its output
+    appended to ``log``."""
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "ab") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runtime", "rollout", str(spec_path), "--index", str(index)],
+            cwd=ROOT,
+            env=environ,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )

@@ -41,7 +41,7 @@ from runtime.rollout.link import (
 )
 from runtime.rollout.remote import NetSubscriber
 from runtime.spec import SpecError, load_spec
-from tests.runtime.helpers import assert_each_group_once, derived, tiny_spec
+from tests.runtime.helpers import assert_each_group_once, derived, remote_rollout, tiny_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 BASE = derived(
@@ -73,18 +73,6 @@ def _spec_file(spec, tmp_path: Path, name: str = "spec.yaml", **changes) -> Path
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def _remote(spec_path: Path, index: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log, "ab") as fh:
-        return subprocess.Popen(
-            [sys.executable, "-m", "runtime", "rollout", str(spec_path), "--index", str(index)],
-            cwd=ROOT,
-            env=environ,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
 
 
 def _accounted_once(trace):
@@ -247,13 +235,13 @@ def test_an_index_outside_the_run_is_bad_input(tmp_path):
 def test_a_remote_instance_works_beside_a_local_one_and_a_mismatched_one_is_refused(tmp_path):
     spec = tiny_spec(tmp_path, "remote", BASE)
     out = tmp_path / "remote"
-    remote = _remote(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")  # the key: from the endpoint file
+    remote = remote_rollout(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")  # the key: from the endpoint file
     other = _spec_file(spec, tmp_path, "other.yaml", rollout__temperature=0.5)
     state: dict = {}
 
     def stop(step, metrics):
         if step == 1:  # a second instance under the same index but another sampling temperature
-            bad = _remote(other, 0, tmp_path / "bad.log")
+            bad = remote_rollout(other, 0, tmp_path / "bad.log")
             state["bad"] = bad.wait(timeout=120)
             # the good one started first, but a busy machine may not have it connected yet: the rest of
             # the run must see it serve, so hold the trainer until it is in
@@ -288,7 +276,7 @@ def test_a_killed_remote_instance_is_replaced_by_a_new_process_and_nothing_is_lo
     spec = tiny_spec(tmp_path, "replace", BASE, resources__rollout_workers=0)
     spec_path = _spec_file(spec, tmp_path)
     control = Control()
-    procs = [_remote(spec_path, 0, tmp_path / "first.log")]
+    procs = [remote_rollout(spec_path, 0, tmp_path / "first.log")]
 
     def stop(step, metrics):
         if step == 2:
@@ -296,7 +284,7 @@ def test_a_killed_remote_instance_is_replaced_by_a_new_process_and_nothing_is_lo
             assert [(r["rank"], r["pid"]) for r in remote] == [(0, procs[0].pid)]
             os.kill(procs[0].pid, signal.SIGKILL)
             procs[0].wait(timeout=30)
-            procs.append(_remote(spec_path, 0, tmp_path / "second.log"))
+            procs.append(remote_rollout(spec_path, 0, tmp_path / "second.log"))
         return False
 
     try:
@@ -324,7 +312,7 @@ def test_a_remote_instance_outlives_its_trainer_and_serves_the_resumed_one(tmp_p
     spec = tiny_spec(tmp_path, "outlive", BASE, pipeline__steps=8, checkpoint__interval=2, resources__rollout_workers=0)
     spec_path = _spec_file(spec, tmp_path)
     out = tmp_path / "outlive"
-    remote = _remote(spec_path, 0, tmp_path / "remote.log")
+    remote = remote_rollout(spec_path, 0, tmp_path / "remote.log")
     trainer_cmd = [sys.executable, "-m", "runtime", "run", str(spec_path)]
     try:
         first = subprocess.Popen(trainer_cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -353,11 +341,11 @@ def test_a_silent_remote_instance_is_cut_off_and_its_index_served_by_a_new_proce
     monkeypatch.setenv("TANDEM_ROLLOUT_KEY", "s" * 64)
     spec = tiny_spec(tmp_path, "silent", BASE, resources__rollout_workers=0, rollout__hang_timeout_s=3)
     spec_path = _spec_file(spec, tmp_path)
-    procs = [_remote(spec_path, 0, tmp_path / "first.log")]
+    procs = [remote_rollout(spec_path, 0, tmp_path / "first.log")]
 
     def stop(step, metrics):
         if step == 2:
-            procs.append(_remote(spec_path, 0, tmp_path / "second.log"))
+            procs.append(remote_rollout(spec_path, 0, tmp_path / "second.log"))
             deadline = time.monotonic() + 90
             while "rank 0 is still connected" not in (tmp_path / "second.log").read_text():
                 assert time.monotonic() < deadline, "the second instance was never told to wait"
@@ -399,7 +387,7 @@ def test_weights_with_tied_tensors_are_serialised_for_the_link():
 @pytest.mark.slow
 def test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart(tmp_path):
     spec = tiny_spec(tmp_path, "fails", BASE, resources__rollout_workers=0)
-    remote = _remote(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")
+    remote = remote_rollout(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")
 
     def stop(step, metrics):
         if step == 2:
@@ -495,7 +483,7 @@ def test_remote_instances_get_their_weights_by_broadcast_when_asked(tmp_path):
 
     spec = tiny_spec(tmp_path, "bcast", BASE, resources__rollout_workers=0, pipeline__remote_weight_sync="broadcast")
     out = tmp_path / "bcast"
-    remote = _remote(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")
+    remote = remote_rollout(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")
     try:
         result = run(spec)
         assert remote.wait(timeout=60) == 0  # told the run ended

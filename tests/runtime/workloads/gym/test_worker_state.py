@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,7 @@ from runtime.metrics import read_jsonl
 from runtime.pipeline import run
 from runtime.spec import load_spec
 from runtime.workloads.gym.learners import PPOLearner
-from tests.runtime.helpers import assert_each_group_once
-
-ROOT = Path(__file__).resolve().parents[4]
+from tests.runtime.helpers import assert_each_group_once, remote_rollout
 
 
 @pytest.fixture(autouse=True)
@@ -124,17 +120,6 @@ def test_a_resumed_run_continues_the_episodes_where_its_checkpoint_left_them(tmp
     assert trained[: len(before)] == before
 
 
-def _remote(spec_path: Path, log: Path) -> subprocess.Popen:
-    with open(log, "ab") as fh:
-        return subprocess.Popen(
-            [sys.executable, "-m", "runtime", "rollout", str(spec_path), "--index", "0"],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-
-
 @pytest.mark.slow
 def test_a_worker_on_another_host_feeds_the_learner_and_its_replacement_continues_its_episodes(
     tmp_path, trained, monkeypatch
@@ -144,7 +129,7 @@ def test_a_worker_on_another_host_feeds_the_learner_and_its_replacement_continue
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec.resolved()))
     control = Control()
-    procs = [_remote(spec_path, tmp_path / "first.log")]
+    procs = [remote_rollout(spec_path, 0, tmp_path / "first.log")]
 
     def stop(step, metrics):
         if step == 3:
@@ -152,7 +137,7 @@ def test_a_worker_on_another_host_feeds_the_learner_and_its_replacement_continue
             assert [(r["rank"], r["pid"]) for r in remote] == [(0, procs[0].pid)]
             os.kill(procs[0].pid, signal.SIGKILL)
             procs[0].wait(timeout=30)
-            procs.append(_remote(spec_path, tmp_path / "second.log"))
+            procs.append(remote_rollout(spec_path, 0, tmp_path / "second.log"))
         return False
 
     try:
