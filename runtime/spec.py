@@ -269,6 +269,25 @@ class TrainerSpec(_Section):
     collective_timeout_s: Float = Field(
         600.0, gt=0, le=86400, description="Trainer ranks > 1: a collective waiting this long fails the run."
     )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="Data parallelism over the trainer ranks: `ddp` (DistributedDataParallel, a whole replica "
+        "per rank) or `fsdp` (FSDP2 `fully_shard` per decoder layer: parameters, gradients and optimizer state "
+        "sharded over the ranks; needs resources.trainer_devices >= 2).",
+    )
+    mixed_precision: Literal["off", "bf16", "fp16"] = Field(
+        "off",
+        description="Compute dtype of the training forward and backward passes; parameters (fp32 master "
+        "weights), gradient reduction and optimizer state stay float32. Needs model.dtype float32.",
+    )
+    gradient_checkpointing: Bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass (less memory)."
+    )
+    cpu_offload: Bool = Field(
+        False,
+        description="fsdp on accelerators: keep parameters, gradients and optimizer state in host memory and "
+        "run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy).",
+    )
 
 
 class RolloutSpec(_Section):
@@ -545,6 +564,7 @@ class RunSpec(_Section):
                     "built-in engine); use builtin",
                 }
             )
+        errors += self._trainer_problems()
         if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
             errors.append({"field": "algorithm.group_size", "message": "GRPO needs a group size of at least 2"})
         if self.pipeline.mode == "colocated" and self.resources.rollout_devices > 0:
@@ -644,6 +664,38 @@ class RunSpec(_Section):
         if errors:
             raise _CombinationError(errors)
         return self
+
+    def _trainer_problems(self) -> list[dict[str, str]]:
+        """Training strategy and precision combinations that cannot act as asked."""
+        t, errors = self.trainer, []
+        if self.workload != "llm":
+            return errors  # the trainer section is refused whole for other workloads
+        if t.strategy == "fsdp" and self.resources.trainer_devices < 2:
+            errors.append(
+                {
+                    "field": "trainer.strategy",
+                    "message": "fsdp shards over trainer ranks and one rank has nothing to shard with: set "
+                    "resources.trainer_devices >= 2, or use ddp (one rank trains alone)",
+                }
+            )
+        if t.mixed_precision != "off" and self.model.dtype != "float32":
+            errors.append(
+                {
+                    "field": "trainer.mixed_precision",
+                    "message": f"{t.mixed_precision} keeps float32 master weights: needs model.dtype float32, "
+                    f"not {self.model.dtype}",
+                }
+            )
+        if t.cpu_offload and t.strategy != "fsdp":
+            errors.append({"field": "trainer.cpu_offload", "message": "acts only with trainer.strategy fsdp"})
+        elif t.cpu_offload and self.resources.device == "cpu":
+            errors.append(
+                {
+                    "field": "trainer.cpu_offload",
+                    "message": "the trainer already runs in host memory on resources.device cpu",
+                }
+            )
+        return errors
 
     def _workload_problems(self) -> list[dict[str, str]]:
         """Fields of the other workload set away from their defaults, and what a gym run cannot do yet."""
