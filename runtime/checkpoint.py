@@ -4,6 +4,9 @@ Layout of one checkpoint (``root/step-00000042/``)::
 
     manifest.json        written last: step, metrics, sha256 + size of every file
     state/<key>.pt       one torch file per top-level key of the saved state
+    shards/              trainer.strategy fsdp: every trainer rank's shards of the models and optimizers,
+                         written by ``write_shards(dir)`` through torch.distributed.checkpoint
+                         (``__<rank>_0.distcp`` files and ``.metadata``)
     policy/              whatever ``hf_export(dir)`` wrote (safetensors, config, tokenizer)
 
 How a save stays atomic: everything is written into ``root/.tmp-step-…``,
@@ -19,7 +22,8 @@ lists, tuples, str, int, float, bool and None. :func:`save` checks that before
 writing and names the offending entry. Python objects the pipeline keeps
 (samples, prompts, RNG states) have packers here that turn them into that form.
 
-One writer per root is assumed (trainer rank 0).
+One writer per root is assumed (trainer rank 0); the other trainer ranks write only their shards,
+into the temporary directory rank 0 names (so the ranks must share the file system).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ FORMAT = "tandem-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = "state"
+SHARDS_DIR = "shards"
 HF_DIR = POLICY_DIR  # the Hugging Face export inside a checkpoint (the platform serves it to forks)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -126,13 +131,16 @@ class CheckpointManager:
         state: Mapping[str, Any],
         hf_export: Callable[[Path], None] | None = None,
         metrics: Mapping[str, float] | None = None,
+        write_shards: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write a checkpoint for ``step`` atomically and return its path.
 
         ``state``'s top-level keys become file names (``state/<key>.pt``);
         values must be weights-only-safe (checked first, nothing is written
-        otherwise). ``hf_export(dir)`` writes the policy in HF format into
-        ``dir``. An existing checkpoint of the same step is replaced.
+        otherwise). ``write_shards(dir)`` writes sharded state into ``dir``
+        (``shards/``), checksummed like every other file. ``hf_export(dir)``
+        writes the policy in HF format into ``dir``. An existing checkpoint of
+        the same step is replaced.
         """
         name = step_dir_name(step)
         clean_metrics = _clean_metrics(metrics or {})
@@ -152,6 +160,8 @@ class CheckpointManager:
                     torch.save(value, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
+            if write_shards is not None:
+                write_shards(tmp / SHARDS_DIR)
             if hf_export is not None:
                 (tmp / HF_DIR).mkdir()
                 hf_export(tmp / HF_DIR)
@@ -164,6 +174,7 @@ class CheckpointManager:
                 "metrics": clean_metrics,
                 "state_keys": list(state.keys()),
                 "hf_dir": HF_DIR if hf_export is not None else None,
+                "shards_dir": SHARDS_DIR if write_shards is not None else None,
                 "files": files,
             }
             _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -330,6 +341,17 @@ def load_checkpoint(path: str | Path, keys: Iterable[str] | None = None) -> dict
         except Exception as exc:  # torch raises many kinds; the caller needs one
             raise CheckpointError(f"{fpath}: cannot be loaded safely ({type(exc).__name__}: {exc})") from None
     return state
+
+
+def shards_dir(path: str | Path) -> Path | None:
+    """The directory of a checkpoint's sharded trainer state (``write_shards``), or None when it has none."""
+    manifest = read_manifest(path)
+    name = manifest.get("shards_dir")
+    if name is None:
+        return None
+    if name != SHARDS_DIR:
+        raise CheckpointError(f"{Path(path) / MANIFEST}: shards_dir is {name!r}, expected {SHARDS_DIR!r}")
+    return Path(path) / SHARDS_DIR
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:

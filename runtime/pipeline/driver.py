@@ -43,6 +43,7 @@ is published on it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -182,7 +183,7 @@ class RunContext:
         self._build_data()
         self.weights = WeightService(keep=2)
         self.ckpt = self._checkpoint_manager(rotate_checkpoints)
-        self._restore_progress(self.resume_state)
+        self._restore_progress(self.resume_state, resume_path)
         self.reporters = reporters if reporters is not None else self._build_reporters(self.resume_state)
         self._init_trace_and_marks(resume_path)
         if self.resume_state is not None:
@@ -244,12 +245,12 @@ class RunContext:
             rotate=rotate,  # off under the platform: retention is its (runtime.managed.entry)
         )
 
-    def _restore_progress(self, resume_state: dict | None) -> None:
+    def _restore_progress(self, resume_state: dict | None, resume_path: Path | None) -> None:
         """Step, counters, trainer, RNG, data cursor and weight version: from zero, or the checkpoint's."""
         self.start_step = 0
         self.dropped_total = 0
-        if resume_state is not None:
-            self._load(resume_state)
+        if resume_state is not None and resume_path is not None:
+            self._load(resume_state, resume_path)
 
     def _build_reporters(self, resume_state: dict | None) -> Any:
         """The spec's reporters; a resumed run's metrics file continues from the checkpoint's cursor."""
@@ -276,10 +277,20 @@ class RunContext:
             close()
 
     # ---- state -------------------------------------------------------------
-    def _load(self, state: dict) -> None:
+    def _load_trainer(self, state: dict, path: Path) -> None:
+        """The trainer's part of the checkpoint at ``path``: with its shards when it has them (fsdp)."""
+        from runtime.checkpoint import shards_dir
+
+        shards = shards_dir(path)
+        if shards is None:
+            self.trainer.load_state_dict(state["trainer"])
+        else:
+            self.trainer.load_state_dict(state["trainer"], shards)
+
+    def _load(self, state: dict, path: Path) -> None:
         from runtime.checkpoint import restore_rng
 
-        self.trainer.load_state_dict(state["trainer"])
+        self._load_trainer(state, path)
         restore_rng(state["rng"], strict=False)
         self.source.load_state_dict(state["source"])
         p = state["pipeline"]
@@ -308,14 +319,21 @@ class RunContext:
             **extra,
         }
 
+        sharded = getattr(self.trainer, "sharded", False)  # fsdp: the models are in the ranks' shards
+
         def hf_export(directory: Path) -> None:
-            self.workload.export_policy(self.models, directory)
+            if not sharded:
+                self.workload.export_policy(self.models, directory)
+                return
+            with self.trainer.unsharded_policy() as policy:  # the full weights, gathered once
+                self.workload.export_policy(dataclasses.replace(self.models, policy=policy), directory)
 
         path = self.ckpt.save(
             step,
             state,
             hf_export=hf_export,
             metrics={k: v for k, v in self.last_metrics.items() if isinstance(v, int | float)},
+            write_shards=self.trainer.save_shards if sharded else None,
         )
         self.ckpt_step, self.ckpt_path = step, path
         self.dropped_marks[step] = len(self.trace["dropped"])
@@ -543,7 +561,7 @@ class RunContext:
         mode.forget_in_flight()
         new_version = self.weights.version + 1  # versions stay monotonic for staleness accounting
         offset = new_version - int(state["pipeline"]["version"])
-        self.trainer.load_state_dict(state["trainer"])
+        self._load_trainer(state, path)
         self.trainer.version = new_version
         restore_rng(state["rng"], strict=False)
         self.source.load_state_dict(state["source"])

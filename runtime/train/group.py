@@ -8,9 +8,14 @@ goes through the leader's :class:`TrainerGroup`, which looks like a :class:`~run
 - ``train_step(samples, step)`` — *hierarchical transfer*: only the leader takes the step's batch
   from the sample queue (so the queue's load does not grow with the number of ranks); it cuts the
   batch into N interleaved shards and scatters them over the process group; every rank trains on its
-  shard, the trainer all-reduces the gradients, and the ranks end the step with identical weights.
+  shard, the strategy's engine (DDP or FSDP2, :mod:`runtime.train.parallel`) sums the gradients, and
+  the ranks end the step with identical weights (with ``trainer.strategy: fsdp``, each with its shards).
 - ``load_state_dict`` (resume, rollback) and ``set_lr`` (live parameter change) are applied on every
-  rank; ``state_dict``, ``publish_state`` and the rest are the leader's (identical on every rank).
+  rank; ``state_dict`` and the rest are the leader's (identical on every rank).
+- With fsdp the ranks hold different shards, so what reads the whole model is a collective the
+  followers are commanded to join: ``publish_state`` and ``unsharded_policy`` (the full weights
+  gathered onto the leader), ``save_shards`` (every rank writes its shards into the checkpoint being
+  written), ``load_state_dict`` (every rank reads them back) and ``score_logprobs``.
 
 Ranks on other hosts. By default the leader starts every follower itself. With ``TANDEM_LOCAL_RANKS``
 (``first-last``, 0 included) it starts only those, and the others join from processes of their own —
@@ -20,9 +25,11 @@ alike everywhere. A remote rank that dies shows as a failed collective (after
 ``trainer.collective_timeout_s`` at most), named by the error; its own process exits non-zero.
 
 Followers learn what to do from a command the leader broadcasts: ``("train", step, version)``
-followed by the scatter of shards, ``("state", trainer state)``, ``("lr", value)`` or ``("stop",)``.
-At start the leader sends its state, so every rank begins from the same weights and optimizer
-state whatever it built. A follower that dies makes the next collective fail (after
+followed by the scatter of shards, ``("state", trainer state, shards directory or None)``,
+``("lr", value)``, ``("verify",)``, ``("publish",)``, ``("save", directory)``, ``("score",)`` followed
+by the scatter of samples, or ``("stop",)``. At start the leader sends its state (ddp), so every rank
+begins from the same weights and optimizer state whatever it built; with fsdp every rank shards the
+leader's weights, broadcast when the model is wrapped. A follower that dies makes the next collective fail (after
 ``trainer.collective_timeout_s`` at most) and the leader checks its followers before every command:
 either way the run fails with the rank named, and a platform-managed run restarts the whole trainer
 group from its newest checkpoint.
@@ -34,6 +41,7 @@ import os
 import socket
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,7 +97,8 @@ class TrainerGroup:
         self.trainer = trainer
         self.followers = followers  # the ones this process started (ranks on other hosts are not here)
         self.world = dist.get_world_size()
-        self._send(("state", trainer.state_dict()))  # every rank starts from the leader's state
+        if not trainer.sharded:  # fsdp: the ranks shard the leader's weights when they wrap the model
+            self._send(("state", trainer.state_dict(), None))  # every rank starts from the leader's state
 
     def __getattr__(self, name: str) -> Any:  # everything else is the leader's own trainer
         return getattr(self.__dict__["trainer"], name)
@@ -124,9 +133,38 @@ class TrainerGroup:
             self._check()
             raise TrainerGroupError(f"data-parallel step {step + 1} failed: {exc}") from None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
-        self._send(("state", state))
+    def load_state_dict(self, state: dict[str, Any], shards: str | Path | None = None) -> None:
+        # Followers first: with fsdp the load is a collective the leader would wait in alone.
+        self._send(("state", state, None if shards is None else str(shards)))
+        self.trainer.load_state_dict(state, shards)
+
+    def publish_state(self) -> dict[str, Any]:
+        if self.trainer.sharded:
+            self._send(("publish",))
+        return self.trainer.publish_state()
+
+    def unsharded_policy(self) -> Any:
+        if self.trainer.sharded:
+            self._send(("publish",))  # the same gather as a publication
+        return self.trainer.unsharded_policy()
+
+    def save_shards(self, directory: str | Path) -> None:
+        self._send(("save", str(directory)))
+        self.trainer.save_shards(directory)
+
+    def score_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """The policy's log-probs of ``samples``' response tokens; with fsdp every rank scores a shard."""
+        if not self.trainer.sharded:
+            return self.trainer.score_logprobs(samples)
+        parts = shards(samples, self.world)
+        self._send(("score",))
+        _scatter(parts)
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, self.trainer.score_logprobs(parts[0]))
+        out: list[list[float]] = [[] for _ in samples]
+        for rank, scored in enumerate(gathered):
+            out[rank :: self.world] = scored
+        return out
 
     def set_lr(self, lr: float) -> None:
         self.trainer.set_lr(lr)
@@ -143,7 +181,10 @@ class TrainerGroup:
 
     def verify(self) -> None:
         """Check that every rank holds the leader's weights (before a checkpoint: only rank 0's state is
-        saved); ranks that drifted apart — a command one of them missed — fail the run by name."""
+        saved); ranks that drifted apart — a command one of them missed — fail the run by name. With
+        fsdp every rank saves its own shards and there is nothing to compare."""
+        if self.trainer.sharded:
+            return
         self._send(("verify",))
         mine = weights_digest(self.trainer)
         digests: list[Any] = [None] * self.world
@@ -251,7 +292,13 @@ def follower_process(rank: int, world: int, init: str, spec_data: dict, threads:
                 trainer.version = version
                 trainer.train_step(_scatter(None), step)
             elif command[0] == "state":
-                trainer.load_state_dict(command[1])
+                trainer.load_state_dict(command[1], command[2])
+            elif command[0] == "publish":
+                trainer.publish_state()  # the gather; rank 0 keeps the weights
+            elif command[0] == "save":
+                trainer.save_shards(command[1])
+            elif command[0] == "score":
+                dist.all_gather_object([None] * world, trainer.score_logprobs(_scatter(None)))
             elif command[0] == "lr":
                 trainer.set_lr(command[1])
             elif command[0] == "verify":

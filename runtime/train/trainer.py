@@ -12,10 +12,15 @@ One :meth:`Trainer.train_step` call does, in order:
 4. ``trainer.updates_per_step`` mini-batches, each split into micro-batches
    by a token budget over length-sorted sequences (little padding), gradient
    accumulation with the loss normalised by the whole mini-batch's token /
-   sequence counts across ranks (so it equals the full-batch loss), an
-   all-reduce of gradients over the process group (data parallel, ranks hold
-   disjoint shards of samples), then the algorithm's parameter-update step
-   (default: gradient clipping, AdamW, linear warm-up).
+   sequence counts across ranks (so it equals the full-batch loss), gradients
+   summed over the ranks by the strategy's engine (DDP or FSDP2, see
+   :mod:`runtime.train.parallel`; ranks hold disjoint shards of samples),
+   then the algorithm's parameter-update step (default: gradient clipping,
+   AdamW, linear warm-up).
+
+Where a forward or backward is a collective (every forward with fsdp, the
+reducing backward with ddp) every rank runs as many micro-batches as the
+rank with the most: a short rank runs zero-weight padding micro-batches.
 
 With ``updates_per_step == 1`` the proximal policy *is* the policy being
 differentiated, so its log-probs are the detached log-probs of the training
@@ -29,14 +34,17 @@ same math as the engine's.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from runtime import metrics as M
 from runtime.contract import (
@@ -70,6 +78,7 @@ from runtime.train.algos.core import (
 from runtime.train.algos.core import value_loss as value_loss_fn
 from runtime.train.algos.interface import PolicyBatch, UpdateContext, adamw_update
 from runtime.train.algos.registry import get_algorithm
+from runtime.train.parallel import LossScale, ParallelModel, load_shards, save_shards
 
 
 class TrainerError(ValueError):
@@ -199,8 +208,13 @@ class Trainer:
     ``process_group``: the data-parallel group of trainer ranks (None: a
     single process). Every rank calls :meth:`train_step` with its own
     disjoint shard of the step's samples; the ranks end every step with
-    identical weights. ``ref_policy`` is the frozen reference for the KL
-    penalty (used only when ``algorithm.kl_coef > 0``).
+    identical weights (with fsdp: with the shards of the same weights).
+    ``ref_policy`` is the frozen reference for the KL penalty (used only when
+    ``algorithm.kl_coef > 0``; never sharded). With fsdp ``policy`` and
+    ``critic`` are sharded in place, and :meth:`train_step`,
+    :meth:`score_logprobs`, :meth:`publish_state`, :meth:`unsharded_policy`,
+    :meth:`save_shards` and :meth:`load_state_dict` are collectives: every
+    rank calls them together.
     """
 
     def __init__(
@@ -219,17 +233,26 @@ class Trainer:
         if self.algorithm.needs_critic and critic is None:
             raise TrainerError(f"algorithm.name: {self.algorithm.name} needs a critic (runtime.models.ValueModel)")
         self.device = torch.device(device)
-        self.policy = policy
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_id)
         self.ref_policy = ref_policy if spec.algorithm.kl_coef > 0 else None
         if self.ref_policy is not None:
             self.ref_policy.requires_grad_(False)
-        self.critic = critic if self.algorithm.needs_critic else None
         self.group = process_group
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         tcfg = spec.trainer
+        self.sharded = tcfg.strategy == "fsdp"
+        # Wrapped before the optimizers are built: with fsdp they step the sharded parameters.
+        self.parallel = ParallelModel(policy, tcfg, process_group, self.device, self.world)
+        self.policy = policy  # the parameters and state (with fsdp: the sharded module)
+        self.critic = critic if self.algorithm.needs_critic else None
+        self.critic_parallel = (
+            ParallelModel(self.critic, tcfg, process_group, self.device, self.world)
+            if self.critic is not None
+            else None
+        )
+        self.loss_scale = LossScale(tcfg.mixed_precision, self.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in policy.parameters() if p.requires_grad], lr=tcfg.lr, weight_decay=tcfg.weight_decay
         )
@@ -284,11 +307,17 @@ class Trainer:
         _check_samples(samples)
         out: list[list[float]] = [[] for _ in samples]
         lengths = [s.num_tokens for s in samples]
-        for indices in make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens):
+        batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
+        count = self.parallel.agree(len(batches), training=False)  # before any forward: they may all-gather
+        for indices in batches:
             mb = _collate(samples, indices, self.pad_id, self.device)
-            logp = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, mb.position_ids, self.temperature)
+            logp = token_logprobs(
+                self.parallel.forward, mb.input_ids, mb.attention_mask, mb.position_ids, self.temperature
+            )
             for i, values in zip(indices, mb.split(logp[mb.rows, mb.cols]), strict=True):
                 out[i] = values.tolist()
+        for _ in range(count - len(batches)):
+            self._padding_forward(policy=True, critic=False)
         return out
 
     def set_lr(self, lr: float) -> None:
@@ -300,11 +329,34 @@ class Trainer:
             group["lr"] = lr * factor
 
     def publish_state(self) -> dict[str, Tensor]:
-        """The policy's weights to publish (detached references, not copies: the weight service copies if it must)."""
-        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+        """The policy's weights to publish: detached references, not copies (the weight service copies if it
+        must); with fsdp the full weights gathered onto rank 0's CPU (a collective; other ranks get {})."""
+        return self.parallel.full_state()
+
+    def unsharded_policy(self) -> contextlib.AbstractContextManager[torch.nn.Module | None]:
+        """The policy as a plain module with all its weights, for an HF export (with fsdp a collective
+        that gathers them; None on ranks > 0)."""
+        return self.parallel.unsharded()
+
+    def save_shards(self, directory: str | Path) -> None:
+        """fsdp: every rank writes its shards of the policy, critic and optimizers into ``directory``
+        (``torch.distributed.checkpoint``; a collective)."""
+        save_shards(directory, self._parallel_models(), self._optimizers_by_name(), self.group)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs from the trainer: policy, critic, optimizers, schedulers, version."""
+        """Everything a checkpoint needs from the trainer: policy, critic, optimizers, schedulers, version.
+
+        With fsdp the models and optimizers are not in it: they are the shards :meth:`save_shards` writes.
+        """
+        if self.sharded:
+            light: dict[str, Any] = {
+                "version": self.version,
+                "strategy": "fsdp",
+                "scheduler": self.scheduler.state_dict(),
+            }
+            if self.critic_scheduler is not None:
+                light["critic_scheduler"] = self.critic_scheduler.state_dict()
+            return self._with_loss_scale(light)
         state: dict[str, Any] = {
             "version": self.version,
             "policy": self.policy.state_dict(),
@@ -315,16 +367,33 @@ class Trainer:
             state["critic"] = self.critic.state_dict()
             state["critic_optimizer"] = self.critic_optimizer.state_dict()
             state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return self._with_loss_scale(state)
+
+    def _with_loss_scale(self, state: dict[str, Any]) -> dict[str, Any]:
+        scale = self.loss_scale.state_dict()
+        if scale:
+            state["loss_scale"] = scale
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; training then continues exactly where it stopped."""
+    def load_state_dict(self, state: dict[str, Any], shards: str | Path | None = None) -> None:
+        """Restore :meth:`state_dict` output (with fsdp also the shards in ``shards``, written by
+        :meth:`save_shards`); training then continues exactly where it stopped."""
+        written_with = state.get("strategy", "ddp")
+        if written_with != self.spec.trainer.strategy:
+            raise TrainerError(
+                f"trainer.strategy: the checkpoint's trainer state was written with {written_with}, this run "
+                f"trains with {self.spec.trainer.strategy}; resume it with the strategy it was written with"
+            )
+        if self.sharded:
+            self._load_sharded(state, shards)
+            return
         missing = [k for k in ("version", "policy", "optimizer", "scheduler") if k not in state]
         if self.critic is not None:
             missing += [k for k in ("critic", "critic_optimizer", "critic_scheduler") if k not in state]
         if missing:
             raise TrainerError(f"trainer state is missing {', '.join(missing)}")
         self._offloaded = None
+        self.loss_scale.load_state_dict(state.get("loss_scale", {}))
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -332,6 +401,22 @@ class Trainer:
             self.critic.load_state_dict(state["critic"])
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
             self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+        self.version = int(state["version"])
+
+    def _load_sharded(self, state: dict[str, Any], shards: str | Path | None) -> None:
+        missing = [k for k in ("version", "scheduler") if k not in state]
+        if self.critic_scheduler is not None and "critic_scheduler" not in state:
+            missing.append("critic_scheduler")
+        if missing:
+            raise TrainerError(f"trainer state is missing {', '.join(missing)}")
+        if shards is None:
+            raise TrainerError("trainer.strategy: an fsdp trainer state needs the checkpoint's shards directory")
+        self._offloaded = None
+        load_shards(shards, self._parallel_models(), self._optimizers_by_name(), self.group)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic_scheduler is not None:
+            self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+        self.loss_scale.load_state_dict(state.get("loss_scale", {}))
         self.version = int(state["version"])
 
     def offload_optimizer(self) -> None:
@@ -343,7 +428,10 @@ class Trainer:
         for opt in self._optimizers():
             for param, state in opt.state.items():
                 for key, value in state.items():
-                    if isinstance(value, Tensor):
+                    if isinstance(value, DTensor):  # an fsdp shard: moving it moves its local tensor
+                        devices.setdefault(id(param), {})[key] = value.device
+                        state[key] = value.to("cpu", copy=True)
+                    elif isinstance(value, Tensor):
                         devices.setdefault(id(param), {})[key] = value.device
                         host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
                         host.copy_(value)
@@ -360,7 +448,8 @@ class Trainer:
                 for key, device in self._offloaded.get(id(param), {}).items():
                     value = state[key]
                     # copy=True: on CPU the reloaded state is fresh storage, as it is on an accelerator.
-                    state[key] = value.to(device, non_blocking=value.is_pinned(), copy=True)
+                    pinned = not isinstance(value, DTensor) and value.is_pinned()
+                    state[key] = value.to(device, non_blocking=pinned, copy=True)
         self._offloaded = None
 
     @property
@@ -373,6 +462,35 @@ class Trainer:
         yield self.optimizer
         if self.critic_optimizer is not None:
             yield self.critic_optimizer
+
+    def _parallel_models(self) -> dict[str, ParallelModel]:
+        models = {"policy": self.parallel}
+        if self.critic_parallel is not None:
+            models["critic"] = self.critic_parallel
+        return models
+
+    def _optimizers_by_name(self) -> dict[str, torch.optim.Optimizer]:
+        optimizers: dict[str, torch.optim.Optimizer] = {"policy": self.optimizer}
+        if self.critic_optimizer is not None:
+            optimizers["critic"] = self.critic_optimizer
+        return optimizers
+
+    def _padding_inputs(self) -> dict[str, Tensor]:
+        """A two-token sequence of padding: the input of a padding micro-batch."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
+
+    def _padding_forward(self, policy: bool, critic: bool) -> Tensor:
+        """Forwards that contribute nothing, run where other ranks still have micro-batches: the all-gathers
+        (fsdp) and gradient reductions (a zero gradient, when it is backpropagated) must be matched."""
+        inputs = self._padding_inputs()
+        zero = torch.zeros((), device=self.device)
+        if policy:
+            zero = zero + self.parallel.forward(**inputs, use_cache=False).logits.float().sum() * 0.0
+        if critic and self.critic_parallel is not None:
+            zero = zero + self.critic_parallel.forward(**inputs).float().sum() * 0.0
+        return zero
 
     def _sample_stats(self, samples: list[Sample], stats: _Stats) -> None:
         rewards = [float(s.reward) for s in samples]
@@ -443,22 +561,28 @@ class Trainer:
         for k in keys:
             out[k] = [None] * len(samples)
         lengths = [s.num_tokens for s in samples]
-        for indices in make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens):
+        batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
+        count = self.parallel.agree(len(batches), training=False)  # before any forward: they may all-gather
+        for indices in batches:
             mb = _collate(samples, indices, self.pad_id, self.device)
             for key in keys:
                 if key == "old_values":
-                    assert self.critic is not None
-                    flat = self.critic(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
+                    assert self.critic_parallel is not None
+                    flat = self.critic_parallel.forward(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][
+                        mb.rows, mb.cols
+                    ]
                 else:
-                    model = self.policy if key == "proximal" else self.ref_policy
+                    model = self.parallel.forward if key == "proximal" else self.ref_policy
                     assert model is not None
                     flat = self._token_logprobs(model, mb)
                 for i, t in zip(indices, mb.split(flat.float().cpu()), strict=True):
                     out[key][i] = t
+        for _ in range(count - len(batches)):
+            self._padding_forward(policy="proximal" in keys, critic="old_values" in keys)
         return out
 
     def _token_logprobs(
-        self, model: torch.nn.Module, mb: _MicroBatch, with_entropy: bool = False, entropy_grad: bool = False
+        self, model: Callable[..., Any], mb: _MicroBatch, with_entropy: bool = False, entropy_grad: bool = False
     ):
         """Log-probs (and optionally entropy) of the response tokens only, flat ``[n]``."""
         logits = model(
@@ -507,7 +631,6 @@ class Trainer:
         step: int,
     ) -> None:
         """One optimizer update on the mini-batch ``mini`` (indices into ``samples``), all ranks together."""
-        cfg = self.cfg
         resp = [len(samples[i].response_ids) for i in mini]
         counts = torch.tensor([float(sum(resp)), float(sum(1 for r in resp if r > 0))], dtype=torch.float64)
         if self.group is not None:
@@ -517,57 +640,28 @@ class Trainer:
         local_batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
         stats.add_sum("real_tokens", float(sum(lengths)))
         stats.add_sum("padded_tokens", float(padded_tokens(lengths, local_batches)))
-        need_entropy_grad = cfg.entropy_coef > 0
-        on_the_fly_proximal = "proximal" not in pre and cfg.off_policy != "truncated"
         behaviour = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
 
         loss_total = torch.zeros((), dtype=torch.float64)
         vloss_total = torch.zeros((), dtype=torch.float64)
-        for local in local_batches:
-            indices = [mini[j] for j in local]
-            mb = _collate(samples, indices, self.pad_id, self.device)
-            logp_flat, ent_flat = self._token_logprobs(
-                self.policy, mb, with_entropy=True, entropy_grad=need_entropy_grad
-            )
-            logp = torch.zeros(mb.mask.shape, dtype=logp_flat.dtype, device=self.device).index_put(
-                (mb.rows, mb.cols), logp_flat
-            )
-            entropy = torch.zeros_like(logp).index_put((mb.rows, mb.cols), ent_flat)
-            behav = mb.scatter(behaviour)
-            if cfg.off_policy == "truncated":
-                old = behav
-            elif on_the_fly_proximal:
-                old = logp.detach()
-                proximal_list = mb.split(logp_flat.detach().float().cpu())
-                self._consistency([samples[i] for i in indices], proximal_list, stats)
-            else:
-                old = mb.scatter(pre["proximal"])
-            weights = importance_weights(old, behav, cfg.is_cap) * mb.mask if cfg.off_policy == "decoupled" else None
-            batch = PolicyBatch(
-                logprobs=logp,
-                old_logprobs=old,
-                behaviour_logprobs=behav,
-                advantages=mb.scatter(advantages),
-                mask=mb.mask,
-                is_weights=weights,
-                ref_logprobs=mb.scatter(pre["ref"]) if "ref" in pre else None,
-                entropy=entropy,
-            )
-            token_loss, token_metrics = self.algorithm.loss_fn(batch, cfg)
-            loss = aggregate_loss(token_loss, mb.mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-            loss.backward()
-            loss_total += loss.detach().double().cpu()
-            for name, values in token_metrics.items():
-                stats.add_sum(f"tok:{name}", float((values.detach() * mb.mask).sum()))
-            stats.add_sum("tok_count", float(mb.mask.sum()))
-            if self.critic is not None:
-                vloss_total += self._critic_backward(mb, num_tokens, num_seqs)
+        count = self.parallel.agree(len(local_batches), training=True)
+        for k in range(count):
+            with self._accumulating(last=k == count - 1):
+                if k < len(local_batches):
+                    indices = [mini[j] for j in local_batches[k]]
+                    loss, vloss = self._micro_step(
+                        samples, indices, advantages, pre, behaviour, (num_tokens, num_seqs), stats
+                    )
+                    loss_total += loss
+                    vloss_total += vloss
+                else:
+                    self.loss_scale.scale(self._padding_forward(policy=True, critic=True)).backward()
 
-        self._all_reduce_grads(self.policy)
         loss_sum = loss_total.clone()
         if self.group is not None:
             dist.all_reduce(loss_sum, group=self.group)
         stats.add_sum("loss_policy", float(loss_sum) / self.world)  # every rank adds the global value
+        self.loss_scale.unscale(self.optimizer)
         ctx = UpdateContext(self.policy, self.optimizer, self.scheduler, self.spec.trainer.grad_clip, step)
         result = self.algorithm.update_fn(ctx)
         stats.add_sum("grad_norm", float(result.get("grad_norm", 0.0)) / self.world)
@@ -575,45 +669,90 @@ class Trainer:
         if "lr" in result:
             stats.set_local("_lr", float(result["lr"]))
         if self.critic is not None and self.critic_optimizer is not None:
-            self._all_reduce_grads(self.critic)
             if self.group is not None:
                 dist.all_reduce(vloss_total, group=self.group)
             stats.add_sum("loss_value", float(vloss_total) / self.world)
+            self.loss_scale.unscale(self.critic_optimizer)
             adamw_update(
                 UpdateContext(
                     self.critic, self.critic_optimizer, self.critic_scheduler, self.spec.trainer.grad_clip, step
                 )
             )
+        self.loss_scale.update()
+
+    @contextlib.contextmanager
+    def _accumulating(self, last: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for model in self._parallel_models().values():
+                stack.enter_context(model.accumulating(last))
+            yield
+
+    def _micro_step(
+        self,
+        samples: list[Sample],
+        indices: list[int],
+        advantages: list[Tensor],
+        pre: dict[str, list],
+        behaviour: list[Tensor],
+        counts: tuple[float, float],
+        stats: _Stats,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward and backward of one micro-batch (``indices`` into ``samples``); returns its policy and
+        value losses (float64, detached)."""
+        cfg = self.cfg
+        num_tokens, num_seqs = counts
+        need_entropy_grad = cfg.entropy_coef > 0
+        on_the_fly_proximal = "proximal" not in pre and cfg.off_policy != "truncated"
+        vloss = torch.zeros((), dtype=torch.float64)
+        mb = _collate(samples, indices, self.pad_id, self.device)
+        logp_flat, ent_flat = self._token_logprobs(
+            self.parallel.forward, mb, with_entropy=True, entropy_grad=need_entropy_grad
+        )
+        logp = torch.zeros(mb.mask.shape, dtype=logp_flat.dtype, device=self.device).index_put(
+            (mb.rows, mb.cols), logp_flat
+        )
+        entropy = torch.zeros_like(logp).index_put((mb.rows, mb.cols), ent_flat)
+        behav = mb.scatter(behaviour)
+        if cfg.off_policy == "truncated":
+            old = behav
+        elif on_the_fly_proximal:
+            old = logp.detach()
+            proximal_list = mb.split(logp_flat.detach().float().cpu())
+            self._consistency([samples[i] for i in indices], proximal_list, stats)
+        else:
+            old = mb.scatter(pre["proximal"])
+        weights = importance_weights(old, behav, cfg.is_cap) * mb.mask if cfg.off_policy == "decoupled" else None
+        batch = PolicyBatch(
+            logprobs=logp,
+            old_logprobs=old,
+            behaviour_logprobs=behav,
+            advantages=mb.scatter(advantages),
+            mask=mb.mask,
+            is_weights=weights,
+            ref_logprobs=mb.scatter(pre["ref"]) if "ref" in pre else None,
+            entropy=entropy,
+        )
+        token_loss, token_metrics = self.algorithm.loss_fn(batch, cfg)
+        loss = aggregate_loss(token_loss, mb.mask, cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+        self.loss_scale.scale(loss).backward()
+        for name, values in token_metrics.items():
+            stats.add_sum(f"tok:{name}", float((values.detach() * mb.mask).sum()))
+        stats.add_sum("tok_count", float(mb.mask.sum()))
+        if self.critic is not None:
+            vloss = self._critic_backward(mb, num_tokens, num_seqs)
+        return loss.detach().double().cpu(), vloss
 
     def _critic_backward(self, mb: _MicroBatch, num_tokens: float, num_seqs: float) -> Tensor:
-        assert self.critic is not None
+        assert self.critic_parallel is not None
         values = torch.zeros(mb.mask.shape, dtype=torch.float32, device=self.device)
-        flat = self.critic(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
+        flat = self.critic_parallel.forward(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
         values = values.index_put((mb.rows, mb.cols), flat.float())
         token_loss, _ = value_loss_fn(
             values, mb.scatter(self._old_values), mb.scatter(self._returns), mb.mask, self.cfg.value_clip
         )
         loss = aggregate_loss(token_loss, mb.mask, self.cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-        (self.cfg.vf_coef * loss).backward()
+        self.loss_scale.scale(self.cfg.vf_coef * loss).backward()
         return loss.detach().double().cpu()
-
-    def _all_reduce_grads(self, model: torch.nn.Module) -> None:
-        """Sum gradients over the ranks (losses are already normalised by global counts)."""
-        if self.group is None:
-            return
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = []
-        for p in params:
-            if p.grad is None:  # a rank whose shard never touched p still takes part
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
 
 
 class _Stats:

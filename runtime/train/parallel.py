@@ -1,0 +1,306 @@
+"""How a trained model is spread over the trainer ranks: DDP or FSDP2, mixed precision, checkpointing.
+
+One job: wrap the policy (and the PPO critic) for ``trainer.strategy`` and give the trainer
+strategy-independent access to training forwards, gradient accumulation and the model's full state.
+
+- ``ddp`` — :class:`torch.nn.parallel.DistributedDataParallel` when there is more than one rank (one
+  rank trains the bare module). Gradients are *summed* over the ranks (a communication hook replaces
+  DDP's mean): the trainer's losses are already normalised by the step's global token / sequence
+  counts, so the sum is the full-batch gradient. Micro-batches accumulate under ``no_sync()``; the
+  last one reduces. ``mixed_precision`` runs forwards under :func:`torch.autocast` with float32
+  parameters (and a loss scale for fp16).
+- ``fsdp`` — FSDP2 :func:`torch.distributed.fsdp.fully_shard` on every decoder layer, then on the root,
+  over the trainer process group's device mesh: parameters, gradients and optimizer state are sharded
+  (``DTensor``). ``mixed_precision`` is FSDP2's ``MixedPrecisionPolicy`` (compute in bf16/fp16,
+  float32 sharded parameters, gradients reduced in float32); ``cpu_offload`` its ``CPUOffloadPolicy``.
+  Every micro-batch reduce-scatters its gradients into the sharded ones (no unsharded gradient is
+  kept between micro-batches). Every forward all-gathers, so every rank must run as many forwards
+  as the others: :meth:`ParallelModel.agree` gives the count all ranks run.
+
+``gradient_checkpointing`` uses the Hugging Face model's own ``activation_checkpointing_enable``
+(non-reentrant), which recomputes each decoder layer in the backward pass.
+
+Gradient clipping needs no help here: ``torch.nn.utils.clip_grad_norm_`` over DTensor gradients
+returns the global norm (a replicated DTensor), identical on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+COMPUTE_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ParallelError(ValueError):
+    """The model cannot be trained with the strategy the spec names (the message names the field)."""
+
+
+def decoder_layers(module: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: the first ``nn.ModuleList`` named ``layers`` (Qwen2, Llama, the critic's backbone)."""
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return child
+    raise ParallelError(
+        f"trainer.strategy: fsdp shards per decoder layer, and {type(module).__name__} has no "
+        "nn.ModuleList named `layers`"
+    )
+
+
+def enable_gradient_checkpointing(module: nn.Module) -> None:
+    """Recompute decoder layers in the backward pass (the HF model's own mechanism, non-reentrant)."""
+    target = module.backbone if hasattr(module, "backbone") else module  # the PPO critic wraps an HF backbone
+    # transformers 5 names it activation_checkpointing_enable (gradient_checkpointing_enable: deprecated alias)
+    enable = getattr(target, "activation_checkpointing_enable", None)
+    if enable is None:
+        raise ParallelError(
+            f"trainer.gradient_checkpointing: {type(target).__name__} has no activation_checkpointing_enable "
+            "(a Hugging Face model is needed)"
+        )
+    enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    module.train()  # HF checkpoints only in training mode; the built-in models have no dropout to change
+
+
+def agree_on_count(count: int, group: Any) -> int:
+    """The largest ``count`` over the ranks of ``group`` (one small all-reduce)."""
+    box = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return int(box.item())
+
+
+def _sum_allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]
+    """DDP communication hook: all-reduce a gradient bucket (``dist.GradBucket``) as a sum (DDP's own
+    divides by the world size). Unannotated: DDP checks the annotations, and postponed ones are strings."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _broadcast_from_leader(module: nn.Module, group: Any) -> None:
+    """Rank 0's parameters and buffers on every rank: each rank shards the same model."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+
+
+class ParallelModel:
+    """One trained module under ``trainer.strategy``.
+
+    ``module`` holds the parameters the optimizer steps and the state a checkpoint saves (with fsdp
+    the sharded module itself); :meth:`forward` is what training and scoring passes call.
+    """
+
+    def __init__(self, module: nn.Module, tcfg: Any, group: Any, device: torch.device, world: int):
+        self.module = module
+        self.group = group
+        self.world = world
+        self.device = device
+        self.strategy = tcfg.strategy
+        self.compute_dtype = COMPUTE_DTYPES[tcfg.mixed_precision]
+        self.sharded = tcfg.strategy == "fsdp"
+        self._unsharded_class = type(module)  # before fully_shard swaps in its FSDP subclass
+        self._config = getattr(module, "config", None)
+        if tcfg.gradient_checkpointing:
+            enable_gradient_checkpointing(module)
+        self._ddp: nn.Module | None = None
+        if self.sharded:
+            self._shard(tcfg)
+        elif world > 1:
+            self._ddp = _wrap_ddp(module, group, device)
+
+    def _shard(self, tcfg: Any) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self.group is None:
+            raise ParallelError("trainer.strategy: fsdp needs a trainer process group (resources.trainer_devices >= 2)")
+        _broadcast_from_leader(self.module, self.group)
+        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        mp = (
+            MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            if self.compute_dtype is not None
+            else MixedPrecisionPolicy()
+        )
+        offload = CPUOffloadPolicy() if tcfg.cpu_offload else OffloadPolicy()
+        units: list[Any] = list(decoder_layers(self.module)) + [self.module]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
+            # Sum, not mean, over the ranks (see the module docstring); set on every sharded unit, each
+            # reduces its own parameters. Sum-only collectives: gloo has no pre-multiplied sum.
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+
+    # ----------------------------------------------------------------- forwards
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward pass through the strategy's wrapper, in the compute precision."""
+        model = self._ddp if self._ddp is not None and torch.is_grad_enabled() else self.module
+        with self.precision():
+            return model(*args, **kwargs)
+
+    def precision(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast for ddp with mixed precision; FSDP2 casts by its own policy."""
+        if self.compute_dtype is None or self.sharded:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: ddp reduces gradients only on the ``last``."""
+        if self._ddp is not None and not last:
+            with self._ddp.no_sync():  # type: ignore[operator]
+                yield
+        else:
+            yield
+
+    def agree(self, count: int, training: bool) -> int:
+        """How many forwards every rank runs when this rank has ``count``: the ranks' largest count
+        wherever a forward (fsdp) or a backward (ddp, training) is a collective; else ``count``."""
+        collective = self.sharded or (self._ddp is not None and training)
+        return agree_on_count(count, self.group) if collective else count
+
+    # ----------------------------------------------------------------- full state
+
+    def full_state(self) -> dict[str, Tensor]:
+        """The model's full weights: with fsdp gathered from the shards (a collective; rank 0 gets them
+        on the CPU, the other ranks an empty dict), else detached references to the module's own."""
+        if not self.sharded:
+            return {k: v.detach() for k, v in self.module.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {name: value for name, value in full.items() if isinstance(value, Tensor)}
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[nn.Module | None]:
+        """The whole model as a plain module (for an HF export): the module itself, or with fsdp a copy
+        built on the meta device and filled from :meth:`full_state` on the CPU (None on ranks > 0)."""
+        if not self.sharded:
+            yield self.module
+            return
+        state = self.full_state()
+        if not state:
+            yield None
+            return
+        if self._config is None:
+            raise ParallelError(f"trainer.strategy: fsdp export needs an HF model, not {type(self.module).__name__}")
+        with torch.device("meta"):  # no memory until the gathered tensors are assigned
+            shell = self._unsharded_class(self._config)
+        shell.load_state_dict(state, strict=False, assign=True)
+        tie = getattr(shell, "tie_weights", None)
+        if tie is not None:
+            tie()
+        yield shell
+
+
+def _wrap_ddp(module: nn.Module, group: Any, device: torch.device) -> nn.Module:
+    ids = [device.index] if device.type != "cpu" and device.index is not None else None
+    # forward_sync_buffers=False: the buffers (rotary frequencies) are not trained and equal on every rank,
+    # and a broadcast per forward would make no-grad scoring a collective too.
+    ddp = nn.parallel.DistributedDataParallel(module, device_ids=ids, process_group=group, forward_sync_buffers=False)
+    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    return ddp
+
+
+# --------------------------------------------------------------------------- loss scaling (fp16)
+
+
+class LossScale:
+    """fp16's dynamic loss scale (``torch.amp.GradScaler``); inert for bf16 and float32.
+
+    Gradients are unscaled before the algorithm's update step, whose non-finite-norm check then skips
+    the optimizer step on an overflow; :meth:`update` lowers or raises the scale from that outcome.
+    """
+
+    def __init__(self, mixed_precision: str, device: torch.device):
+        self.scaler = torch.amp.GradScaler(device.type) if mixed_precision == "fp16" else None
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def update(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+
+
+def sharded_state(models: dict[str, ParallelModel], optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    """``{name: model state, name_optimizer: optimizer state}`` for DCP: every rank's own shards."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state: dict[str, Any] = {}
+    for name, model in models.items():
+        model_state, optim_state = get_state_dict(model.module, optimizers[name])
+        state[name] = model_state
+        state[f"{name}_optimizer"] = optim_state
+    return state
+
+
+def save_shards(
+    directory: Any, models: dict[str, ParallelModel], optimizers: dict[str, torch.optim.Optimizer], group: Any
+) -> None:
+    """Every rank writes its shards of the models and optimizers into ``directory`` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state(models, optimizers), checkpoint_id=str(directory), process_group=group)
+
+
+def load_shards(
+    directory: Any, models: dict[str, ParallelModel], optimizers: dict[str, torch.optim.Optimizer], group: Any
+) -> None:
+    """Every rank reads its shards from ``directory`` (written by :func:`save_shards`) into the models
+    and optimizers (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_state(models, optimizers)
+    dcp.load(state, checkpoint_id=str(directory), process_group=group)
+    for name, model in models.items():
+        set_state_dict(
+            model.module,
+            optimizers[name],
+            model_state_dict=state[name],
+            optim_state_dict=state[f"{name}_optimizer"],
+        )
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def local_bytes(tensor: Tensor) -> int:
+    """Bytes this rank holds of ``tensor`` (its own shard of a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def training_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (call it while the gradients exist,
+    e.g. from an optimizer step pre-hook)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            local_bytes(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)
+        ),
+    }
