@@ -289,15 +289,33 @@ class TrainerSpec(_Section):
         "run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy).",
     )
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
 
 class RolloutSpec(_Section):
-    engine: Literal["builtin", "vllm"] = Field("builtin", description="Generation engine.")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="Generation engine: `builtin` (PyTorch, any device) or `vllm` (vLLM / vllm-ascend on cuda or "
+        "npu, loading model.path; install requirements-gpu.txt or requirements-npu.txt).",
+    )
     max_new_tokens: Int = Field(32, ge=1, le=65536, description="Longest response generated.")
     temperature: Float = Field(1.0, ge=0, le=10, description="Sampling temperature (0 = greedy).")
     top_p: Float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: Int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     max_batch_size: Int = Field(64, ge=1, le=100_000, description="Sequences decoded together by one engine.")
-    max_batch_tokens: Int = Field(16384, ge=16, description="Token budget of one engine batch.")
+    max_batch_tokens: Int = Field(
+        16384, ge=16, description="Built-in engine: token budget (KV cache) of the sequences decoded together."
+    )
+    gpu_memory_utilization: Float = Field(
+        0.5,
+        gt=0,
+        le=0.95,
+        description="Engine vllm: share of its device's memory vLLM takes for weights and KV cache (colocated: "
+        "the trainer shares the device, so leave room for its model, gradients and optimizer state).",
+    )
     length_prediction: Literal["from_stats", "off"] = Field(
         "from_stats",
         description="Predict response lengths from history (per prompt, per task, prompt length) or assume the max.",
@@ -391,7 +409,11 @@ class ResourcesSpec(_Section):
     device: Literal["cpu", "cuda", "npu"] = Field("cpu", description="Accelerator kind.")
     trainer_devices: Int = Field(1, ge=1, le=4096, description="Trainer ranks (data parallel), one device each.")
     rollout_devices: Int = Field(
-        0, ge=0, le=4096, description="Devices for rollout instances; 0 = share the trainer's (colocated/CPU)."
+        0,
+        ge=0,
+        le=4096,
+        description="Devices for rollout instances; 0 = share the trainer's (colocated, CPU, or async rollout "
+        "processes on the trainer's first device beside it).",
     )
     rollout_workers: Int = Field(
         1, ge=0, le=4096, description="Rollout instances (processes) on the trainer's host; the most active at once."
@@ -412,7 +434,9 @@ class ResourcesSpec(_Section):
         0,
         ge=0,
         le=64,
-        description="Async: the evaluator gets its own device (after the rollout ones); 0 = the trainer's.",
+        description="Async: the evaluator gets its own device (after the rollout ones); 0 = none: the built-in "
+        "engine's evaluator runs on the host over the weight service's kept versions (a vLLM evaluator stays on "
+        "the trainer's device).",
     )
     remote_evaluator: Bool = Field(
         False,
@@ -556,14 +580,7 @@ class RunSpec(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> RunSpec:
         errors: list[dict[str, str]] = self._workload_problems()
-        if self.rollout.engine == "vllm" and self.workload == "llm":
-            errors.append(
-                {
-                    "field": "rollout.engine",
-                    "message": "vllm is not wired into the run paths yet (every mode would generate with the "
-                    "built-in engine); use builtin",
-                }
-            )
+        errors += self._engine_problems()
         errors += self._trainer_problems()
         if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
             errors.append({"field": "algorithm.group_size", "message": "GRPO needs a group size of at least 2"})
@@ -572,13 +589,6 @@ class RunSpec(_Section):
                 {
                     "field": "resources.rollout_devices",
                     "message": "colocated mode shares the trainer's devices; set rollout_devices to 0",
-                }
-            )
-        if self.resources.device != "cpu" and self.pipeline.mode == "async" and self.resources.rollout_devices == 0:
-            errors.append(
-                {
-                    "field": "resources.rollout_devices",
-                    "message": "async mode on accelerators needs separate rollout devices",
                 }
             )
         if self.model.path is None and self.model.builtin is None:
@@ -665,9 +675,41 @@ class RunSpec(_Section):
             raise _CombinationError(errors)
         return self
 
+    def _engine_problems(self) -> list[dict[str, str]]:
+        """What rollout.engine vllm cannot do: run on CPU, load a built-in model, share a process's devices."""
+        if self.rollout.engine != "vllm" or self.workload != "llm":
+            return []
+        errors = []
+        if self.resources.device == "cpu":
+            errors.append(
+                {
+                    "field": "rollout.engine",
+                    "message": "vllm runs on resources.device cuda or npu, not cpu; use builtin on cpu",
+                }
+            )
+        if self.model.path is None:
+            errors.append(
+                {
+                    "field": "rollout.engine",
+                    "message": f"vllm loads a Hugging Face model directory, but model.builtin {self.model.builtin} "
+                    "has none: set model.path (`python -m runtime sft SPEC --steps N --out DIR` writes one)",
+                }
+            )
+        if self.resources.eval_devices:
+            errors.append(
+                {
+                    "field": "resources.eval_devices",
+                    "message": "vLLM runs on the first device its process sees, so an evaluator on a device of "
+                    "its own inside the trainer's process cannot use it: set 0 (the trainer's device) or "
+                    "resources.remote_evaluator",
+                }
+            )
+        return errors
+
     def _trainer_problems(self) -> list[dict[str, str]]:
         """Training strategy and precision combinations that cannot act as asked."""
-        t, errors = self.trainer, []
+        t = self.trainer
+        errors: list[dict[str, str]] = []
         if self.workload != "llm":
             return errors  # the trainer section is refused whole for other workloads
         if t.strategy == "fsdp" and self.resources.trainer_devices < 2:
@@ -766,6 +808,13 @@ class RunSpec(_Section):
     @property
     def queue_capacity(self) -> int:
         return self.pipeline.queue_capacity or 5 * self.samples_per_step
+
+    @property
+    def engine_shares_policy(self) -> bool:
+        """Colocated with the built-in engine and ddp: the engine generates with the trainer's own module
+        (zero copy). Otherwise (vllm loads its own weights; fsdp shards the module) the engine receives the
+        full published state at every weight sync."""
+        return self.pipeline.mode == "colocated" and self.rollout.engine == "builtin" and self.trainer.strategy == "ddp"
 
     def acts(self, path: str) -> bool:
         """Whether the knob at ``path`` acts in this spec: with its workload (WORKLOAD_SECTIONS,
@@ -902,6 +951,14 @@ def _dataset_task_with_a_model_tokenizer(spec: RunSpec) -> bool:
     return _dataset_task(spec) and spec.model.path is not None and spec.model.tokenizer == "auto"
 
 
+def _builtin_engine(spec: RunSpec) -> bool:
+    return spec.rollout.engine == "builtin"
+
+
+def _vllm_engine(spec: RunSpec) -> bool:
+    return spec.rollout.engine == "vllm"
+
+
 def _ppo_agent(spec: RunSpec) -> bool:
     return spec.agent.algorithm == "ppo"
 
@@ -926,6 +983,11 @@ ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
         _jsonl_task,
         "task.name jsonl (a built-in task scores with its own rule, the dataset task with the math verifier)",
     ),
+    "rollout.max_batch_tokens": (
+        _builtin_engine,
+        "rollout.engine builtin (vLLM sizes its KV cache from rollout.gpu_memory_utilization)",
+    ),
+    "rollout.gpu_memory_utilization": (_vllm_engine, "rollout.engine vllm"),
     "task.prompt_key": (_dataset_task, "task.name dataset"),
     "task.answer_key": (_dataset_task, "task.name dataset"),
     "task.system_prompt": (_dataset_task, "task.name dataset"),

@@ -1,14 +1,20 @@
 """The ``sync`` and ``colocated`` modes: generation and training alternate in the trainer's process.
 
-``sync`` copies the new weights into a separate engine model after every step;
-``colocated`` generates with the trainer's own parameters (zero copy),
-optionally with the optimizer state offloaded while generating. The loop's
-step boundary, checkpoints and directives are the shared ``runtime.pipeline.driver.RunContext``'s.
+``sync`` copies the new weights into the engine's own weights after every step. ``colocated`` runs the
+engine on the trainer's devices: with the built-in engine and ddp it generates with the trainer's own
+parameters (zero copy, ``RunSpec.engine_shares_policy``); otherwise (vLLM, or an fsdp-sharded module)
+the engine receives the full published state after every step. While generating, the optimizer state
+can be offloaded (``pipeline.offload_optimizer``); a colocated vLLM engine sleeps (KV cache released,
+weights in host memory) while the trainer trains and wakes — weights, then the new state, then the KV
+cache — before it generates or evaluates. The loop's step boundary, checkpoints and directives are the
+shared ``runtime.pipeline.driver.RunContext``'s.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,22 +34,41 @@ class InlineMode:
         spec = ctx.spec
         self.ctx = ctx
         self.colocated = spec.pipeline.mode == "colocated"
-        # colocated: the engine runs on the trainer's own parameters (zero copy)
+        self.shares_policy = spec.engine_shares_policy  # the engine reads the trainer's own parameters
+        self.offload = self.colocated and spec.pipeline.offload_optimizer
+        self.sleeps = self.colocated and spec.rollout.engine == "vllm"  # vLLM gives the device back to training
         self.worker = ctx.workload.inline_generator(spec, ctx.models, ctx.task, ctx.device, self.colocated)
         self.engine = self.worker.engine
         self.publish(initial=True)
 
     def publish(self, initial: bool = False) -> int:
-        """The trainer's weights as its version, to the weight service and the engine."""
+        """The trainer's weights as its version, to the weight service and the engine (the full state unless
+        the engine shares the trainer's module; a sleeping engine loads it when it wakes)."""
         ctx = self.ctx
-        state = None if self.colocated else ctx.trainer.publish_state()
+        state = None if self.shares_policy else ctx.trainer.publish_state()
         version = ctx.weights.version if initial else ctx.weights.publish(state, version=ctx.trainer.version)
         self.engine.update_weights(state, version)
         return version
 
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """The device is generation's: optimizer state offloaded (if asked) before a sleeping engine wakes
+        and allocates its KV cache, the engine asleep again before the optimizer state comes back."""
+        trainer = self.ctx.trainer
+        if self.offload:
+            trainer.offload_optimizer()
+        if self.sleeps:
+            self.engine.wake_up()
+        try:
+            yield
+        finally:
+            if self.sleeps:
+                self.engine.sleep()
+            if self.offload:
+                trainer.reload_optimizer()
+
     def run(self) -> dict[str, Any]:
         ctx, spec, trainer = self.ctx, self.ctx.spec, self.ctx.trainer
-        offload = self.colocated and spec.pipeline.offload_optimizer
         P = spec.items_per_step
 
         step = ctx.start_step
@@ -54,12 +79,8 @@ class InlineMode:
         while step < spec.pipeline.steps:
             timer = M.StepTimer()
             started = time.perf_counter()
-            with timer.section("generate"):
-                if offload:
-                    trainer.offload_optimizer()
+            with timer.section("generate"), self.generating():
                 samples, gen_tokens = self.generate(P, step)
-                if offload:
-                    trainer.reload_optimizer()
             with timer.section("train"):
                 trained = trainer.train_step(samples, step)
             with timer.section("weight_sync"):
@@ -106,7 +127,9 @@ class InlineMode:
 
     # ---- _Mode ----
     def evaluate(self, step: int) -> None:  # at the step boundary, timed apart from the step (time/eval)
-        self.ctx.record_eval(step, self.ctx.run_eval(self.engine))
+        with self.generating():
+            metrics = self.ctx.run_eval(self.engine)
+        self.ctx.record_eval(step, metrics)
 
     def checkpoint(self, step: int) -> None:
         empty = pack_queue(SampleQueue(1).snapshot(), self.ctx.workload)

@@ -1,10 +1,12 @@
-"""Rollout: the built-in generation engine and the vLLM / vllm-ascend adapter."""
+"""Rollout: the built-in generation engine and the vLLM / vllm-ascend adapter.
+
+The engine a run uses is built by :func:`runtime.workloads.llm.models.build_engine` (the one builder every
+path calls); this package holds the engines themselves.
+"""
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from runtime.rollout.batcher import BatchStats, ContinuousBatcher
 from runtime.rollout.engine import Engine
@@ -23,39 +25,12 @@ def sampling_params(rollout_spec: Any, n: int = 1, stop_ids: tuple[int, ...] = (
     )
 
 
-def build_engine(
-    rollout_spec: Any,
-    model: Any,
-    tokenizer: Any,
-    device: torch.device | str,
-    model_path: str | None = None,
-    version: int = 0,
-) -> Any:
-    """The engine named by ``rollout_spec.engine``: the built-in one over ``model``, or vLLM over ``model_path``
-    (an HF directory, e.g. from save_hf; vLLM loads its own copy of the weights)."""
-    if rollout_spec.engine == "vllm":
-        from runtime.rollout.vllm_adapter import VLLMEngine
-
-        if model_path is None:
-            raise ValueError("rollout.engine=vllm needs an HF model directory (model.path or a saved checkpoint)")
-        return VLLMEngine(model_path, tokenizer, device, version=version)
-    return Engine(
-        model,
-        tokenizer,
-        device,
-        max_batch_size=rollout_spec.max_batch_size,
-        max_batch_tokens=rollout_spec.max_batch_tokens,
-        version=version,
-    )
-
-
 __all__ = [
     "BatchStats",
     "Completion",
     "ContinuousBatcher",
     "Engine",
     "SamplingParams",
-    "build_engine",
     "sample_tokens",
     "sampling_params",
 ]

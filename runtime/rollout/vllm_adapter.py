@@ -1,119 +1,256 @@
-"""Adapter that puts vLLM (GPU) or vllm-ascend (Ascend NPU) behind the built-in engine's interface.
+"""vLLM (NVIDIA GPUs) or vllm-ascend (Ascend NPUs, a vLLM platform plugin: same code) behind the built-in
+engine's interface: ``generate``, ``batcher()``, ``update_weights``, ``version``, ``tokenizer``, ``device``,
+``stats``, ``max_batch_size``, plus ``sleep`` / ``wake_up`` for the colocated mode.
 
-Selected with ``rollout.engine: vllm``. vllm is imported only when this engine is built; without it
-:class:`VLLMUnavailable` says what to install. Same ``generate`` / ``update_weights`` / ``version``
-as :class:`runtime.rollout.engine.Engine`, returning the same :class:`Completion` objects.
+Written against vLLM's V1 engine API as of release 0.11 (its ``LLM`` source and the sleep-mode docs,
+which the newest vLLM still describes the same way). requirements-gpu.txt pins a later release whose API
+was not read: ``bench/accelerator_smoke.py`` is where that is first checked. The calls: ``vllm.LLM``
+(``enable_sleep_mode``, ``logprobs_mode``, ``worker_extension_cls``, ``max_num_seqs``,
+``enable_prefix_caching``), ``LLM.llm_engine.add_request`` / ``step`` / ``abort_request``,
+``LLM.sleep(level=1)`` / ``LLM.wake_up(tags=[...])``, ``LLM.collective_rpc`` by method name, and ``SamplingParams(output_kind=RequestOutputKind.DELTA, logprobs=0, seed=...)``.
+**Never run on hardware**: CI has no vLLM; the tests drive this module against a stand-in of the package.
 
-Differences from the built-in engine, by construction of vLLM:
+How it matches the built-in engine (:mod:`runtime.rollout.engine`):
 
-- Log-probabilities: vLLM is started with ``logprobs_mode="processed_logprobs"`` so they include the
-  temperature like the built-in engine's; with top-k/top-p on, vLLM reports the *truncated*
-  distribution's log-probabilities (the built-in engine reports the untruncated ones).
-- Sampling uses vLLM's own RNG: ``generator`` is not used; a per-call seed is drawn from it when
-  given, so runs stay reproducible for a fixed seed and vLLM version.
-- Weight updates go through ``LLM.collective_rpc`` to every worker's ``model.load_weights``; vLLM's
-  multiprocess engine pickles the tensors to its workers.
-
-Not exercised by CI (no vLLM on the CPU machines); the built-in engine is the tested reference.
+- Requests go through :class:`~runtime.rollout.vllm_batcher.VLLMBatcher`, which adds them to vLLM's own
+  continuous batching as slots free up and steps the engine; ``generate`` is that batcher run to the end.
+- Per-token log-probabilities: vLLM is started with ``logprobs_mode="processed_logprobs"``, i.e. of
+  ``softmax(logits / temperature)`` like the built-in engine's; with top-k/top-p on vLLM reports the
+  *truncated* distribution's (the built-in engine the untruncated one) — keep them off for RL.
+- Per-token versions: a weight update is applied between engine steps (staged while a step runs, as in
+  the built-in engine); sequences in flight continue on the new weights and their later tokens carry the
+  new version. Prefix caching is off, so no request reuses KV entries another version computed.
+- Seeds: each request gets its own vLLM seed, drawn from the caller's generator in submission order:
+  the same generator seed and prompts give the same draws for a given vLLM version and device.
+- Weights: ``update_weights(state, version)`` hands the full state to every worker's
+  ``load_policy_weights`` (:mod:`runtime.rollout.vllm_worker`, mixed into vLLM's workers). The engine
+  core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), so the tensors reach the
+  worker by reference, not serialised. ``update_weights(None, version)`` moves only the version.
+- Colocated mode (``sleep_mode``): :meth:`VLLMEngine.sleep` releases the KV cache and moves the weights
+  to host memory (vLLM's sleep level 1) while the trainer trains; an update that arrives while asleep is
+  staged; :meth:`VLLMEngine.wake_up` brings the weights back, loads the staged state, then re-allocates
+  the KV cache (weights first, so the weight load never competes with the cache for device memory).
+  Level 2 (no host copy of the weights) would save host memory, but a wake-up without a newer state
+  (an evaluation at a step boundary) would then have no weights to run on.
+- vLLM runs on the first device visible to its process (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES,
+  which the runtime sets per process); one device per engine, no tensor parallelism yet.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import threading
 from typing import Any
 
 import torch
 
-from runtime.rollout.engine import Completion, SamplingParams
+from runtime.rollout.batcher import BatchStats
+from runtime.rollout.sampling import Completion, SamplingParams
+from runtime.rollout.vllm_batcher import VLLMBatcher
+
+INSTALL_HINT = (
+    "install it from requirements-gpu.txt (NVIDIA GPUs) or requirements-npu.txt (Ascend NPUs: vllm with "
+    "vllm-ascend), e.g. `pip install -r requirements-gpu.txt`"
+)
+WORKER_EXTENSION = "runtime.rollout.vllm_worker.PolicyWeightLoader"
+LOAD_WEIGHTS = "load_policy_weights"  # the method WORKER_EXTENSION adds to every vLLM worker
 
 
 class VLLMUnavailable(RuntimeError):
-    """vllm (or vllm-ascend) is not installed or cannot be imported."""
+    """vllm (or vllm-ascend) is not installed or cannot be imported on this host: bad input (exit 2)."""
 
 
-def _import_vllm() -> Any:
+def import_vllm() -> Any:
+    """The vllm package, or :class:`VLLMUnavailable` naming it and how to install it."""
     try:
-        import vllm
+        import vllm  # optional: only hosts that run rollout.engine vllm have it
     except ImportError as exc:
         raise VLLMUnavailable(
-            "rollout.engine=vllm needs the vllm package (vllm on NVIDIA GPUs; vllm and vllm-ascend on "
-            f"Ascend NPUs, see requirements-npu.txt); it could not be imported: {exc}"
+            f"rollout.engine: vllm needs the vllm package, which cannot be imported here ({exc}); {INSTALL_HINT}"
         ) from None
     return vllm
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside each vLLM worker (collective_rpc passes the worker as the first argument)."""
-    worker.model_runner.model.load_weights(weights=weights)
-
-
 class VLLMEngine:
-    """vLLM's ``LLM`` over a saved HF model directory (``save_hf`` output), with the Engine interface."""
+    """vLLM's ``LLM`` over an HF model directory, with the built-in engine's interface (module docstring)."""
 
     def __init__(
         self,
         model_path: str,
         tokenizer: Any,
-        device: torch.device | str = "cuda",
-        version: int = 0,
+        device: torch.device | str,
+        *,
         dtype: str = "auto",
-        gpu_memory_utilization: float = 0.5,
-        max_model_len: int | None = None,
         seed: int = 0,
-        **llm_kwargs: Any,
+        gpu_memory_utilization: float = 0.5,
+        max_batch_size: int = 64,
+        sleep_mode: bool = False,
+        version: int = 0,
     ):
-        vllm = _import_vllm()
-        self._vllm = vllm
-        self.tokenizer = tokenizer
         self.device = torch.device(device)
+        if self.device.index not in (None, 0):
+            raise ValueError(
+                f"vLLM runs on the first device visible to its process, not {self.device}: "
+                "give it a process whose visible devices start with its own"
+            )
+        vllm = import_vllm()
+        self._vllm = vllm
+        # each step's new tokens only (a submodule: vllm's lazy top-level names do not include it)
+        self._delta = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
         self.version = version
-        self._lock = threading.Lock()
+        self.sleep_mode = sleep_mode
+        self.stats = BatchStats()
+        self.last_stats = BatchStats()
+        # The engine core in this process: weight updates reach the worker by reference (no serialisation).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.llm = vllm.LLM(
             model=str(model_path),
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
+            max_num_seqs=max_batch_size,
+            enable_sleep_mode=sleep_mode,
+            enable_prefix_caching=False,  # cached KV of older weights must not serve a newer version
             logprobs_mode="processed_logprobs",
-            **llm_kwargs,
+            worker_extension_cls=WORKER_EXTENSION,
         )
+        self._lock = threading.Lock()
+        self._stepping = False
+        self._asleep = False
+        self._pending: tuple[dict[str, torch.Tensor] | None, int] | None = None
+        self._owner: VLLMBatcher | None = None  # the batcher whose requests vLLM holds
 
-    def _params(self, params: SamplingParams, seed: int | None) -> Any:
-        stops = list(params.stop_ids)
-        return self._vllm.SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=stops or None,
-            ignore_eos=params.ignore_eos,
-            logprobs=0,  # the sampled token's log-probability only
-            seed=seed,
-            detokenize=False,
-        )
+    # ----- weights -------------------------------------------------------------------------------
+    def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Make ``version`` current, loading ``state_dict`` (None: only the version moves). Applied at once
+        between steps; staged during a step (applied when it ends) and while asleep (applied at wake-up)."""
+        with self._lock:  # held while loading, so a step cannot start on half-loaded weights
+            if self._stepping or self._asleep:
+                self._pending = _merge(self._pending, state_dict, version)
+                return
+            self._apply(state_dict, version)
+
+    def _apply(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
+        if state_dict is not None:
+            weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
+            self.llm.collective_rpc(LOAD_WEIGHTS, args=(weights,))
+        self.version = version
+
+    def _begin_step(self) -> None:
+        with self._lock:
+            if self._asleep:
+                raise RuntimeError("the vLLM engine is asleep: wake_up() before generating")
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._apply(*pending)
+            self._stepping = True
+
+    def _end_step(self) -> None:
+        with self._lock:
+            self._stepping = False
+            pending, self._pending = self._pending, None
+            if pending is not None:  # arrived during the step: the next step runs on it
+                self._apply(*pending)
+
+    # ----- colocated: sleep and wake-up ----------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Release the KV cache and move the weights to host memory while the trainer uses the device."""
+        self._require_sleep_mode()
+        with self._lock:
+            if self._asleep:
+                return
+            if self._owner is not None and not self._owner.idle:
+                raise RuntimeError("the vLLM engine cannot sleep with requests in flight")
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Weights back, the newest staged state loaded into them, then the KV cache re-allocated."""
+        self._require_sleep_mode()
+        with self._lock:
+            if not self._asleep:
+                return
+            self.llm.wake_up(tags=["weights"])
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._apply(*pending)
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+
+    def _require_sleep_mode(self) -> None:
+        if not self.sleep_mode:
+            raise RuntimeError("this vLLM engine was built without sleep mode (only a colocated engine sleeps)")
+
+    # ----- generation ----------------------------------------------------------------------------
+    def batcher(self, params: SamplingParams, generator: torch.Generator | None = None) -> VLLMBatcher:
+        """A request queue over this engine: ``submit(prompt_ids, tag)``, then ``step()`` until ``idle``."""
+        return VLLMBatcher(self, params, generator)
+
+    def claim(self, batcher: VLLMBatcher) -> None:
+        """``batcher`` is about to add requests: vLLM's step returns every request's output, so one batcher
+        with requests in flight at a time."""
+        if self._owner is not batcher and self._owner is not None and not self._owner.idle:
+            raise RuntimeError("another batcher of this engine still has requests in flight; one at a time")
+        self._owner = batcher
 
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
     ) -> list[Completion]:
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-        with self._lock:  # weights cannot change inside one call: that is this engine's batch boundary
-            version = self.version
-            prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
-            outputs = self.llm.generate(prompts, self._params(params, seed), use_tqdm=False)
-        completions = []
-        for index, request in enumerate(outputs):
-            for out in request.outputs:
-                tokens = list(out.token_ids)
-                logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, out.logprobs or [], strict=True)]
-                reason = "stop" if out.finish_reason == "stop" else "length"
-                completions.append(Completion(index, tokens, logprobs, [version] * len(tokens), reason))
-        return completions
+        """``n`` completions per prompt, in prompt order (prompt 0's n samples first), each sequence a
+        request of its own (its seed drawn from ``generator``)."""
+        self._check_prompts(prompt_ids, params)
+        items = [i for i in range(len(prompt_ids)) for _ in range(params.n)]
+        results: list[Completion | None] = [None] * len(items)
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
-        """Load ``state_dict`` into every vLLM worker (None: only the version moves)."""
-        with self._lock:
-            if state_dict is not None:
-                weights = [(name, t.detach().cpu()) for name, t in state_dict.items()]
-                self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-            self.version = version
+        def done(j: int, completion: Completion) -> None:
+            completion.prompt_index = items[j]
+            results[j] = completion
+
+        batcher = self.batcher(params, generator)
+        batcher.run(((j, prompt_ids[items[j]]) for j in range(len(items))), done)
+        self.last_stats = batcher.stats
+        return [c for c in results if c is not None]
+
+    def _check_prompts(self, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+        vocab = self.tokenizer.vocab_size
+        for i, ids in enumerate(prompt_ids):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+
+    def sampling_params(self, params: SamplingParams, max_new_tokens: int, seed: int | None) -> Any:
+        """vLLM's SamplingParams for one sequence: tokens streamed per step with their log-probabilities."""
+        stops = set(params.stop_ids)
+        if not params.ignore_eos:
+            stops.add(self.tokenizer.eos_id)  # this tokenizer's eos, as the built-in engine stops on it
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=max_new_tokens,
+            stop_token_ids=sorted(stops),
+            ignore_eos=params.ignore_eos,
+            logprobs=0,  # the sampled token's log-probability only
+            seed=seed,
+            detokenize=False,
+            output_kind=self._delta,
+        )
+
+
+def _merge(
+    pending: tuple[dict[str, torch.Tensor] | None, int] | None, state: dict[str, torch.Tensor] | None, version: int
+) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """The update to apply later: the newest state with the newest version (a version-only update keeps
+    the weights an earlier staged update still has to load)."""
+    if state is None and pending is not None:
+        return pending[0], version
+    return state, version

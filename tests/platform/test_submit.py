@@ -68,11 +68,12 @@ def test_dict_specs_and_overrides_are_accepted(experiment, owner):
         (
             "rollout:\n  engine: vllm\n",
             [
+                ("rollout.engine", "vllm runs on resources.device cuda or npu, not cpu; use builtin on cpu"),
                 (
                     "rollout.engine",
-                    "vllm is not wired into the run paths yet (every mode would generate with the built-in "
-                    "engine); use builtin",
-                )
+                    "vllm loads a Hugging Face model directory, but model.builtin tiny-qwen2 has none: set "
+                    "model.path (`python -m runtime sft SPEC --steps N --out DIR` writes one)",
+                ),
             ],
         ),
     ],

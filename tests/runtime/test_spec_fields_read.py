@@ -35,11 +35,6 @@ ALL = MODES
 
 # Fields accepted but not read by the tiny runs: (the modes, why; where a test proves the field acts).
 EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
-    "rollout.engine": (
-        ALL,
-        "only `builtin` validates, the one engine every mode runs "
-        "(test_spec_knobs.py::test_a_run_asked_for_vllm_is_refused_until_the_engine_is_wired)",
-    ),
     "trainer.collective_timeout_s": (
         ALL,
         "read by data-parallel trainer ranks only, resources.trainer_devices > 1 "

@@ -98,6 +98,7 @@ def test_the_resolved_spec_records_only_the_knobs_that_act_and_validates_again(m
 # it acts, and one where it does not.
 JSONL = {"name": "jsonl", "path": "data/train.jsonl"}
 DATASET = {"name": "dataset", "path": "data/train.parquet"}
+VLLM = {"rollout": {"engine": "vllm"}, "model": {"path": "m"}, "resources": {"device": "cuda"}}
 WITH = {
     "algorithm.gamma": (0.9, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
     "algorithm.lam": (0.9, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
@@ -113,6 +114,8 @@ WITH = {
     "task.answer_key": ("solution", {"task": DATASET}, {"task": JSONL}),
     "task.system_prompt": ("Be brief.", {"task": DATASET}, {"task": {"name": "copy"}}),
     "task.chat_template": (True, {"task": DATASET, "model": {"builtin": None, "path": "m"}}, {"task": DATASET}),
+    "rollout.gpu_memory_utilization": (0.8, VLLM, {}),
+    "rollout.max_batch_tokens": (4096, {}, VLLM),
 }
 # workload gym: each learner's knobs act with its algorithm only
 _GYM = {"workload": "gym", "env": {"id": "CartPole-v1"}}
@@ -154,17 +157,10 @@ def test_a_plug_in_algorithm_takes_every_algorithm_knob():
     assert spec.resolved()["algorithm"]["gamma"] == 0.9 and spec.resolved()["algorithm"]["normalize_adv_std"] is False
 
 
-def test_a_run_asked_for_vllm_is_refused_until_the_engine_is_wired():
-    assert _errors({"rollout": {"engine": "vllm"}}) == {
-        "rollout.engine": "vllm is not wired into the run paths yet (every mode would generate with the "
-        "built-in engine); use builtin"
-    }
-
-
 @pytest.mark.parametrize(
     ("override", "error"),
     [
-        ("rollout.engine=vllm", "rollout.engine: vllm is not wired"),
+        ("rollout.engine=vllm", "rollout.engine: vllm runs on resources.device cuda or npu, not cpu"),
         ("pipeline.on_lag_exceeded=drop", "pipeline.on_lag_exceeded: acts only in pipeline.mode async, not sync"),
     ],
 )

@@ -8,7 +8,7 @@
 * :mod:`~runtime.workloads.llm.generation` — :class:`RolloutWorker` (a group per prompt, scored by the
   task's verifier or the reward service), :func:`make_samples`, :func:`reward_scores`, :func:`batch_seed`.
 * :mod:`~runtime.workloads.llm.models` — :class:`Models`, :func:`build_models` (policy, tokenizer,
-  reference, critic), :func:`build_engine` (the built-in engine), :func:`build_task`.
+  reference, critic), :func:`build_engine` (the engine builder every path uses: builtin or vllm), :func:`build_task`.
 * :mod:`~runtime.workloads.llm.instance` — :class:`RolloutInstance`, the async mode's rollout instance.
 * :mod:`~runtime.workloads.llm.probe` — :class:`ConsistencyProbe`.
 * :mod:`~runtime.workloads.llm.workload` — :class:`LLMWorkload`, the protocol over the above.

@@ -79,7 +79,7 @@ class RolloutWorker:
         self.task = task
         self.device = device
         self.group_size = spec.algorithm.group_size
-        self.params = sampling_params(spec.rollout, n=self.group_size, stop_ids=(tokenizer.eos_id,))
+        self.params = sampling_params(spec.rollout, n=self.group_size, stop_ids=tokenizer.stop_ids)
         # prompts per engine call: a whole number of groups within the engine's batch size
         self.prompts_per_batch = max(1, spec.rollout.max_batch_size // self.group_size)
         self.reward = None

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from runtime.models import build_policy
 from runtime.rollout.wire import BEAT_S, EPOCH, shm_prefix, to_bytes
 from runtime.samples import Sample
 from runtime.workloads.llm.data import WorkItem
@@ -80,7 +79,7 @@ class RolloutInstance:
         self.rank, self.spec, self.engine, self.tokenizer, self.task = rank, spec, engine, tokenizer, task
         self.sub, self.conn, self.flags = sub, conn, flags
         self.G = spec.algorithm.group_size
-        self.params = sampling_params(spec.rollout, n=1, stop_ids=(tokenizer.eos_id,))
+        self.params = sampling_params(spec.rollout, n=1, stop_ids=tokenizer.stop_ids)
         self.batcher: Any = None  # built at the first group, seeded from its issue index
         self.groups: dict[int, _Group] = {}  # ticket -> group in generation or scoring
         self.held: list[_Group] = []  # waiting for weights >= their min_version
@@ -280,11 +279,9 @@ class RolloutInstance:
 
 
 def build_instance(rank: int, spec: Any, device: torch.device, sub: Any, conn: Any, flags: Any) -> RolloutInstance:
-    """A spawned instance's side: its own copy of the policy, an engine over it, the task."""
-    policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
-    policy.eval()
-    engine = build_engine(policy, tokenizer, device, spec)
-    return RolloutInstance(rank, spec, engine, tokenizer, build_task(spec), sub, conn, flags)
+    """A spawned instance's side: its engine (with weights of its own), the task."""
+    engine = build_engine(None, None, device, spec)
+    return RolloutInstance(rank, spec, engine, engine.tokenizer, build_task(spec), sub, conn, flags)
 
 
 class RemoteLLMRollout:
@@ -292,10 +289,9 @@ class RemoteLLMRollout:
     with (restarted) trainers: loading a model is the slow part of a reconnection."""
 
     def __init__(self, rank: int, spec: Any, device: torch.device):
-        policy, self.tokenizer = build_policy(spec.model, device, seed=spec.seed)
-        policy.eval()
         self.rank, self.spec = rank, spec
-        self.engine = build_engine(policy, self.tokenizer, device, spec)
+        self.engine = build_engine(None, None, device, spec)
+        self.tokenizer = self.engine.tokenizer
         self.task = build_task(spec)
 
     def session(self, sub: Any, conn: Any, flags: Any, state: bytes | None = None) -> RolloutInstance:

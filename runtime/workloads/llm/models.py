@@ -1,4 +1,4 @@
-"""The LLM workload's models: the trainer's policy, tokenizer, reference and critic; the engine; the task."""
+"""The LLM workload's models: the trainer's policy, tokenizer, reference and critic; the engine builder; the task."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from runtime.models import CharTokenizer, ModelError, build_policy, check_model_path, load_tokenizer
+from runtime.rollout.engine import Engine
+from runtime.rollout.vllm_adapter import VLLMEngine, import_vllm  # vllm itself is imported only for a vllm engine
 from runtime.spec import RunSpec
 
 
@@ -21,7 +24,7 @@ class Models:
 
 def build_models(spec: RunSpec, device: torch.device) -> Models:
     """The trainer's models: policy + tokenizer, a frozen reference when the KL penalty needs it, a critic for PPO."""
-    from runtime.models import ValueModel, build_policy
+    from runtime.models import ValueModel
     from runtime.train.algos import get_algorithm
 
     policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
@@ -34,11 +37,60 @@ def build_models(spec: RunSpec, device: torch.device) -> Models:
     return Models(policy=policy, tokenizer=tokenizer, ref_policy=ref, critic=critic)
 
 
-def build_engine(model: Any, tokenizer: Any, device: torch.device, spec: RunSpec) -> Any:
-    from runtime.rollout.engine import Engine
+def build_engine(
+    model: Any | None, tokenizer: Any | None, device: torch.device, spec: RunSpec, *, colocated: bool = False
+) -> Any:
+    """The generation engine ``rollout.engine`` names: the one builder of every path (inline modes, async and
+    remote rollout instances, the evaluator, ``python -m runtime eval``).
 
+    builtin: an :class:`~runtime.rollout.engine.Engine` over ``model`` (the trainer's own module when the
+    engine shares it, ``RunSpec.engine_shares_policy``), or over a copy of the policy built here when
+    ``model`` is None. vllm: a :class:`~runtime.rollout.vllm_adapter.VLLMEngine` that loads its own weights
+    from ``model.path``, so no torch copy of the policy is built (``model`` must be None); ``colocated``
+    turns on vLLM's sleep mode (the engine sleeps while the trainer trains on the same device). The
+    tokenizer defaults to the model directory's (``model.tokenizer``). vllm not importable:
+    ``VLLMUnavailable`` (bad input), never a fallback to the built-in engine.
+    """
     r = spec.rollout
+    if r.engine == "vllm":
+        if model is not None:
+            raise ValueError("rollout.engine vllm loads its own weights from model.path: pass no torch model")
+        assert spec.model.path is not None  # RunSpec refuses vllm without model.path
+        import_vllm()  # the package before anything is loaded: without it nothing here can run
+        return VLLMEngine(
+            spec.model.path,
+            tokenizer if tokenizer is not None else engine_tokenizer(spec),
+            device,
+            dtype=vllm_dtype(spec),
+            seed=spec.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_batch_size=r.max_batch_size,
+            sleep_mode=colocated,
+        )
+    if model is None:
+        model, own_tokenizer = build_policy(spec.model, device, seed=spec.seed)
+        model.eval()
+        tokenizer = own_tokenizer if tokenizer is None else tokenizer
+    if tokenizer is None:
+        raise ValueError("build_engine: a model passed in needs its tokenizer")
     return Engine(model, tokenizer, device, max_batch_size=r.max_batch_size, max_batch_tokens=r.max_batch_tokens)
+
+
+def engine_tokenizer(spec: RunSpec) -> Any:
+    """The tokenizer of ``model.path`` as ``build_policy`` would pick it, without loading the model."""
+    assert spec.model.path is not None
+    if spec.model.tokenizer == "char":
+        return CharTokenizer()
+    try:
+        return load_tokenizer(check_model_path(spec.model.path))
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
+
+
+def vllm_dtype(spec: RunSpec) -> str:
+    """vLLM generates in the trainer's compute dtype: ``trainer.mixed_precision`` when on (the float32
+    master weights are the trainer's business), else ``model.dtype``."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(spec.trainer.mixed_precision, spec.model.dtype)
 
 
 def build_task(spec: RunSpec) -> Any:

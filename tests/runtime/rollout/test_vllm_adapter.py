@@ -1,0 +1,191 @@
+"""The vLLM adapter's own logic, driven against a stand-in of the vllm package (vLLM cannot run on the CPU
+test machines): request streaming and collection, per-token versions across a weight update, weight
+loading calls, sleep / wake-up order, seeds. What vLLM itself computes is not tested here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models import CharTokenizer
+from runtime.rollout.sampling import SamplingParams
+from runtime.rollout.vllm_adapter import LOAD_WEIGHTS, WORKER_EXTENSION, VLLMEngine
+from tests.runtime.rollout import vllm_standin
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm_standin.install(monkeypatch)
+    return vllm_standin
+
+
+def engine(max_batch_size: int = 8, sleep_mode: bool = False) -> VLLMEngine:
+    return VLLMEngine("/models/policy", CharTokenizer(), "cuda", max_batch_size=max_batch_size, sleep_mode=sleep_mode)
+
+
+def calls(eng: VLLMEngine, *names: str) -> list[tuple]:
+    return [c for c in eng.llm.calls if c[0] in names]
+
+
+def test_vllm_is_started_for_rl_generation(fake_vllm):
+    eng = VLLMEngine(
+        "/models/policy", CharTokenizer(), "cuda:0", dtype="bfloat16", seed=5, gpu_memory_utilization=0.7,
+        max_batch_size=12, sleep_mode=True,
+    )  # fmt: skip
+    assert eng.llm.kwargs == {
+        "model": "/models/policy",
+        "dtype": "bfloat16",
+        "seed": 5,
+        "gpu_memory_utilization": 0.7,
+        "max_num_seqs": 12,
+        "enable_sleep_mode": True,
+        "enable_prefix_caching": False,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+def test_a_device_other_than_the_first_visible_is_refused(fake_vllm):
+    with pytest.raises(ValueError, match="first device visible"):
+        VLLMEngine("/models/policy", CharTokenizer(), "cuda:1")
+
+
+def test_generate_returns_n_completions_per_prompt_in_prompt_order_with_logprobs_and_versions(fake_vllm):
+    eng = engine()
+    eng.update_weights(None, 3)
+    prompts = [[1, 10, 11], [1, 12, 13, 14, 15, 16, 17]]  # the stand-in answers a k-token prompt in k tokens
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=5, n=2), torch.Generator().manual_seed(0))
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1]
+    assert [len(c.token_ids) for c in out] == [3, 3, 5, 5]
+    assert [c.finish_reason for c in out] == ["stop", "stop", "length", "length"]
+    assert [c.token_ids[-1] for c in out[:2]] == [vllm_standin.EOS] * 2
+    for c in out:
+        assert c.logprobs == [pytest.approx(-0.01 * t) for t in c.token_ids]
+        assert c.versions == [3] * len(c.token_ids)
+    assert eng.stats.completed == 4 and eng.stats.generated_tokens == 16
+    assert eng.stats.allocated_tokens == eng.stats.real_tokens == 16 + 2 * (3 + 7)
+
+
+def test_each_sequence_is_a_request_streamed_with_its_own_seed_drawn_from_the_generator(fake_vllm):
+    eng = engine()
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, stop_ids=(5,), n=3)
+    first = eng.generate([[1, 10]], params, torch.Generator().manual_seed(42))
+    again = eng.generate([[1, 10]], params, torch.Generator().manual_seed(42))
+    other = eng.generate([[1, 10]], params, torch.Generator().manual_seed(43))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again] != [c.token_ids for c in other]
+    adds = calls(eng, "add_request")
+    assert len(adds) == 9 and len({rid for _, rid in adds}) == 9  # one request per sequence, unique ids
+    sent = eng.sampling_params(params, 4, 123)
+    assert (sent.n, sent.max_tokens, sent.seed, sent.logprobs, sent.detokenize) == (1, 4, 123, 0, False)
+    assert (sent.temperature, sent.top_p, sent.top_k) == (0.7, 0.9, -1)
+    assert sent.stop_token_ids == [CharTokenizer().eos_id, 5]
+    assert sent.output_kind == fake_vllm.RequestOutputKind.DELTA
+
+
+def test_the_batcher_adds_requests_as_slots_free_up_a_group_at_once(fake_vllm):
+    eng = engine(max_batch_size=4)
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    b.submit_group([([1, 10, 11], ("a", j)) for j in range(3)])  # 3 tokens each
+    b.submit_group([([1, 12, 13, 14, 15], ("b", j)) for j in range(3)])  # does not fit beside group a
+    assert b.wants_more() is False
+    done = b.step()
+    assert b.admitted == [("a", 0), ("a", 1), ("a", 2)] and b.num_live == 3 and b.num_waiting == 3
+    done += b.step() + b.step()
+    assert sorted(tag for tag, _ in done) == [("a", 0), ("a", 1), ("a", 2)] and b.num_live == 0
+    b.admitted.clear()
+    while not b.idle:
+        done += b.step()
+    assert b.admitted == [("b", 0), ("b", 1), ("b", 2)]
+    assert len(done) == 6 and all(len(c.token_ids) == (3 if t[0] == "a" else 5) for t, c in done)
+
+
+def test_cancel_aborts_live_requests_in_vllm_and_forgets_waiting_ones(fake_vllm):
+    eng = engine(max_batch_size=2)
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    for tag in ("old", "old", "new"):
+        b.submit([1, 10, 11, 12], tag)
+    b.step()
+    assert b.cancel(lambda tag: tag == "old") == 2
+    added = [rid for _, rid in calls(eng, "add_request")]
+    assert calls(eng, "abort_request") == [("abort_request", added[:2])]
+    done = []
+    while not b.idle:
+        done += b.step()
+    assert [tag for tag, _ in done] == ["new"]
+
+
+def test_tokens_after_a_weight_update_carry_the_new_version_and_the_state_is_loaded_into_the_workers(fake_vllm):
+    eng = engine()
+    b = eng.batcher(SamplingParams(max_new_tokens=6))
+    b.submit([1] + [10] * 9, "x")  # 6 tokens, no eos
+    b.step()
+    b.step()
+    state = {"model.embed_tokens.weight": torch.ones(2, 2)}
+    eng.update_weights(state, 7)  # between steps: applied at once
+    (rpc,) = calls(eng, "collective_rpc")
+    assert rpc[1] == LOAD_WEIGHTS and [n for n, _ in rpc[2][0]] == ["model.embed_tokens.weight"]
+    assert torch.equal(rpc[2][0][0][1], state["model.embed_tokens.weight"])
+    done = []
+    while not b.idle:
+        done += b.step()
+    (_, completion), = done  # fmt: skip
+    assert completion.versions == [0, 0, 7, 7, 7, 7]
+
+
+def test_an_update_arriving_during_a_step_is_applied_when_the_step_ends(fake_vllm):
+    eng = engine()
+    b = eng.batcher(SamplingParams(max_new_tokens=4))
+    b.submit([1] + [10] * 9, "x")
+    eng.llm.llm_engine.during_step = lambda: eng.update_weights({"w": torch.zeros(1)}, 1)
+    b.step()
+    eng.llm.llm_engine.during_step = None
+    assert eng.version == 1 and len(calls(eng, "collective_rpc")) == 1  # loaded after the step, not inside it
+    assert calls(eng, "step", "collective_rpc")[-2:] == [("step",), calls(eng, "collective_rpc")[0]]
+    done = []
+    while not b.idle:
+        done += b.step()
+    assert done[0][1].versions == [0, 1, 1, 1]
+
+
+def test_colocated_sleep_stages_the_update_and_wake_up_loads_it_between_weights_and_kv_cache(fake_vllm):
+    eng = engine(sleep_mode=True)
+    eng.sleep()
+    eng.update_weights({"w": torch.zeros(1)}, 4)
+    assert eng.version == 0 and not calls(eng, "collective_rpc")  # nothing loaded into a sleeping engine
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate([[1, 10]], SamplingParams(max_new_tokens=2))
+    eng.wake_up()
+    order = [c[:2] for c in calls(eng, "sleep", "wake_up", "collective_rpc")]
+    assert order == [
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        ("collective_rpc", LOAD_WEIGHTS),
+        ("wake_up", ["kv_cache"]),
+    ]
+    assert eng.version == 4
+    assert eng.generate([[1, 10]], SamplingParams(max_new_tokens=2))[0].versions == [4, 4]
+
+
+def test_a_wake_up_without_a_newer_state_loads_nothing(fake_vllm):
+    eng = engine(sleep_mode=True)
+    eng.sleep()
+    eng.wake_up()
+    assert [c[:2] for c in calls(eng, "sleep", "wake_up", "collective_rpc")] == [
+        ("sleep", 1),
+        ("wake_up", ["weights"]),
+        ("wake_up", ["kv_cache"]),
+    ]
+
+
+def test_only_a_colocated_engine_sleeps(fake_vllm):
+    with pytest.raises(RuntimeError, match="without sleep mode"):
+        engine(sleep_mode=False).sleep()
+
+
+def test_a_version_only_update_keeps_the_staged_state(fake_vllm):
+    eng = engine(sleep_mode=True)
+    eng.sleep()
+    eng.update_weights({"w": torch.zeros(1)}, 4)
+    eng.update_weights(None, 5)
+    eng.wake_up()
+    assert eng.version == 5 and len(calls(eng, "collective_rpc")) == 1
