@@ -2,6 +2,7 @@
 
     python -m runtime run SPEC.yaml [key.sub=value ...] [--resume DIR]
     python -m runtime sft SPEC.yaml [key.sub=value ...] --steps N --out DIR
+    python -m runtime make-model DIR --from-task NAME [task.sub=value ...] [--vocab-size N ...]   (a local BPE model)
     python -m runtime eval --checkpoint DIR [--spec SPEC.yaml] [key.sub=value ...]
     python -m runtime validate SPEC.yaml [key.sub=value ...]
     python -m runtime rollout SPEC.yaml --index I [--endpoint FILE] [key.sub=value ...]   (a remote rollout instance)
@@ -13,7 +14,8 @@
 
 Bad input — an unknown or invalid field, an impossible combination, a
 missing model path or dataset, a malformed dataset row, a broken tokenizer
-file, a device that is not there, a corrupt or partial checkpoint — is
+file, a device that is not there, vllm not installed for rollout.engine vllm,
+a corrupt or partial checkpoint — is
 reported as one line naming the field (or file and row), with exit status 2. A failure during the run exits 1
 with a one-line reason. ``role`` also takes its settings from ``TANDEM_*``
 environment variables (runtime.managed.entry, docs/runtime-role.md).
@@ -45,6 +47,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from runtime.devices import DeviceError
     from runtime.managed.entry import RoleInputError
     from runtime.models import ModelError
+    from runtime.rollout.vllm_adapter import VLLMUnavailable
     from runtime.tasks import TaskError
     from runtime.train.algos import AlgorithmError
     from runtime.train.trainer import TrainerError
@@ -62,6 +65,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         RoleInputError,
         TaskError,
         TrainerError,
+        VLLMUnavailable,
         EnvSpecError,
         LearnerError,
         SamplerError,
@@ -73,8 +77,11 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     from runtime.devices import resolve_device
     from runtime.models import check_model_path
     from runtime.placement import trainer_devices_here
+    from runtime.rollout.vllm_adapter import import_vllm
     from runtime.train.algos import get_algorithm
 
+    if spec.rollout.engine == "vllm":  # the package first: a host without it can never run this spec
+        import_vllm()
     resolve_device(spec.resources.device, 0)
     if spec.workload == "gym":  # the env builds and its action space suits the learner (EnvSpecError otherwise)
         from runtime.workloads.gym.build import describe_env
@@ -148,6 +155,37 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    """A small Qwen2 model directory whose BPE tokenizer is trained on a task's prompts and answers."""
+    from runtime.models.local_hf import CHAT_TEMPLATE, SUMMARY_FILE, build_local_model_dir, task_corpus
+    from runtime.tasks import build_task
+
+    others = [o for o in args.overrides if not o.startswith("task.")]
+    if others:
+        raise UsageError(f"make-model: only task.* overrides choose the corpus, got {' '.join(others)}")
+    spec = load_spec({"task": {"name": args.from_task}}, args.overrides)
+    corpus = task_corpus(build_task(spec.task))
+    try:
+        out = build_local_model_dir(
+            args.directory,
+            corpus=corpus,
+            vocab_size=args.vocab_size,
+            chat_template=None if args.no_chat_template else CHAT_TEMPLATE,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            seed=args.seed,
+        )
+    except ValueError as exc:  # it names the keyword argument; the user gave the flag
+        argument, _, why = str(exc).partition(": ")
+        flags = {"vocab_size": "--vocab-size", "hidden_size": "--hidden-size", "num_layers": "--layers"}
+        flags.update(num_heads="--heads", num_kv_heads="--kv-heads", directory="DIRECTORY", corpus="--from-task")
+        raise UsageError(f"{flags.get(argument, argument)}: {why}") from None
+    print(json.dumps({"model_dir": str(out), **json.loads((out / SUMMARY_FILE).read_text())}))
+    return 0
+
+
 def _eval_spec(args: argparse.Namespace) -> tuple[RunSpec, Path]:
     from runtime.checkpoint import CheckpointError
 
@@ -165,19 +203,16 @@ def _eval_spec(args: argparse.Namespace) -> tuple[RunSpec, Path]:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from runtime.devices import resolve_device, set_threads
     from runtime.evaluation.evaluator import evaluate
-    from runtime.models import build_policy
     from runtime.workloads.llm import build_engine, build_task
 
     spec, ckpt = _eval_spec(args)
     preflight(spec)
     set_threads(spec.resources.threads_per_process)
     device = resolve_device(spec.resources.device, 0)
-    model, tokenizer = build_policy(spec.model, device, seed=spec.seed)
-    model.eval()
-    engine = build_engine(model, tokenizer, device, spec)
+    engine = build_engine(None, None, device, spec)  # the checkpoint's policy/ directory is model.path
     task = build_task(spec)
     r = spec.rollout
-    metrics = evaluate(engine, tokenizer, task, task.eval_prompts(), r.max_new_tokens, r.max_batch_size)
+    metrics = evaluate(engine, engine.tokenizer, task, task.eval_prompts(), r.max_new_tokens, r.max_batch_size)
     print(json.dumps({"checkpoint": str(ckpt), **metrics}))
     return 0
 
@@ -286,6 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("make-model", help="build a small Qwen2 directory with a BPE tokenizer trained on a task")
+    p.add_argument("directory", help="where to write it (new or empty)")
+    p.add_argument("overrides", nargs="*", help="task.sub=value overrides of the corpus task")
+    p.add_argument("--from-task", required=True, metavar="NAME", help="task whose prompts and answers train the BPE")
+    p.add_argument("--vocab-size", type=int, default=512, help="BPE tokens, specials included (default 512)")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights")
+    p.add_argument("--no-chat-template", action="store_true", help="leave the tokenizer without a chat template")
+    p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("eval", help="greedy held-out evaluation of a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR")

@@ -1,12 +1,14 @@
 """Tokenizers with one small interface: ``encode``, ``decode``, ``eos_id``, ``pad_id``, ``bos_id``,
-``vocab_size``, ``save``.
+``stop_ids``, ``vocab_size``, ``save``.
 
 :class:`CharTokenizer` is the built-in one for the synthetic tasks: one token
 per printable ASCII character plus newline, and four specials. It saves itself
 both as ``char_tokenizer.json`` (read back by :func:`load_tokenizer`) and as a
 Hugging Face fast tokenizer (``tokenizer.json``), so a checkpoint directory
 loads in transformers and vLLM too. :class:`HFTokenizer` wraps a model
-directory's own tokenizer behind the same interface.
+directory's own tokenizer behind the same interface; its ``stop_ids`` add the end-of-sequence ids of the
+directory's ``generation_config.json`` to the tokenizer's eos (Qwen2.5 lists ``<|im_end|>`` and
+``<|endoftext|>`` there, and a chat-templated reply ends with the first).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 CHAR_FILE = "char_tokenizer.json"
+GENERATION_CONFIG = "generation_config.json"
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 _CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 
@@ -24,6 +27,7 @@ class Tokenizer(Protocol):
     eos_id: int
     pad_id: int
     bos_id: int | None
+    stop_ids: tuple[int, ...]  # generation ends at any of these; eos_id first
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -43,6 +47,7 @@ class CharTokenizer:
             raise ValueError("CharTokenizer: characters must be unique")
         self.chars = chars
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = 0, 1, 2, 3
+        self.stop_ids = (self.eos_id,)
         self._ids = {ch: i + len(SPECIALS) for i, ch in enumerate(chars)}
         self.vocab_size = len(SPECIALS) + len(chars)
 
@@ -117,9 +122,13 @@ def _byte_symbol(ch: str) -> str:
 
 
 class HFTokenizer:
-    """A transformers tokenizer behind the runtime's tokenizer interface."""
+    """A transformers tokenizer behind the runtime's tokenizer interface.
 
-    def __init__(self, hf: Any):
+    ``extra_stop_ids``: further ids that end generation besides the tokenizer's eos (a model directory's
+    generation config names them); ids outside the tokenizer are ignored.
+    """
+
+    def __init__(self, hf: Any, extra_stop_ids: tuple[int, ...] = ()):
         self.hf = hf
         if hf.eos_token_id is None:
             raise ValueError("the model's tokenizer defines no eos token; generation could never stop")
@@ -127,6 +136,8 @@ class HFTokenizer:
         self.pad_id = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_id
         self.bos_id = int(hf.bos_token_id) if hf.bos_token_id is not None else None
         self.vocab_size = len(hf)
+        extra = (i for i in extra_stop_ids if 0 <= i < self.vocab_size and i != self.eos_id)
+        self.stop_ids = (self.eos_id, *dict.fromkeys(extra))
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -136,10 +147,28 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        """Text of ``ids``; special tokens are dropped, and so are ids past the tokenizer's last one, which a
+        model whose embedding is padded beyond the vocabulary (as released models' are) can sample."""
+        size = self.vocab_size
+        return self.hf.decode([i for i in ids if 0 <= i < size], skip_special_tokens=True)
 
     def save(self, directory: str | Path) -> None:
         self.hf.save_pretrained(str(directory))
+
+
+def generation_stop_ids(directory: str | Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (one id or a list) of a model directory's generation_config.json; () without one."""
+    path = Path(directory) / GENERATION_CONFIG
+    if not path.is_file():
+        return ()
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"model.path: {path}: not a readable generation config ({exc})") from None
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else []
+    if value is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ValueError(f"model.path: {path}: eos_token_id must be an id or a list of ids, got {value!r}")
+    return tuple(ids)
 
 
 def load_tokenizer(directory: str | Path) -> CharTokenizer | HFTokenizer:
@@ -153,4 +182,4 @@ def load_tokenizer(directory: str | Path) -> CharTokenizer | HFTokenizer:
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - tokenizers' parser raises bare Exception, transformers KeyError
         raise ValueError(f"model.path {directory}: no usable tokenizer ({type(exc).__name__}: {exc})") from None
-    return HFTokenizer(hf)
+    return HFTokenizer(hf, generation_stop_ids(directory))

@@ -1,11 +1,13 @@
 """Supervised warm start: teach the policy the task's (prompt, answer) pairs so RL starts from a
 policy that sometimes succeeds.
 
-``run_sft`` trains on ``bos + prompt + answer + eos`` with the loss on the answer and eos tokens only
-(token mean), AdamW with a short linear warm-up and linear decay, then measures held-out accuracy
-greedily and by sampling at temperature 1 and saves an HF model directory usable as ``model.path``
-(with ``sft_metrics.json`` beside it). GRPO learns from groups with mixed outcomes, so the useful
-amount of SFT leaves sampled accuracy well above zero and well below one; ``steps`` is the knob.
+``run_sft`` trains on the prompt as the model is prompted with it (``encode_prompt``: ``bos + prompt`` with
+the character tokenizer; the task's text, chat template included, with a model directory's tokenizer), then
+the answer and eos, with the loss on the answer and eos tokens only (token mean), AdamW with a short linear
+warm-up and linear decay, then measures held-out accuracy greedily and by sampling at temperature 1 and saves
+an HF model directory usable as ``model.path`` (with ``sft_metrics.json`` beside it). GRPO learns from groups
+with mixed outcomes, so the useful amount of SFT leaves sampled accuracy well above zero and well below one;
+``steps`` is the knob.
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ def run_sft(
     engine = Engine(model, tok, device, max_batch_size=spec.rollout.max_batch_size)
     evals = task.eval_prompts()
     max_new = spec.rollout.max_new_tokens
-    greedy = accuracy(engine, task, evals, SamplingParams(max_new, temperature=0))
+    stops = tuple(tok.stop_ids)  # a model directory may end replies at ids besides eos
+    greedy = accuracy(engine, task, evals, SamplingParams(max_new, temperature=0, stop_ids=stops))
     sample_gen = torch.Generator(device=device).manual_seed(spec.seed)
-    sampled = accuracy(engine, task, evals, SamplingParams(max_new, temperature=1.0, n=4), sample_gen)
+    sampled_params = SamplingParams(max_new, temperature=1.0, n=4, stop_ids=stops)
+    sampled = accuracy(engine, task, evals, sampled_params, sample_gen)
     metrics = {
         "steps": steps,
         "loss": loss_value,
