@@ -3,11 +3,12 @@
 :func:`evaluate` runs the engine greedily (temperature 0, one sample per
 prompt) and scores each answer with the task's verifier.
 
-:class:`BackgroundEvaluator` (async mode) owns a model copy and an engine in
-a thread of its own, niced so the OS prefers the trainer and the rollouts. The
-trainer hands it the weights of a version through a one-slot mailbox: a newer
-request replaces an unstarted older one, so evaluation can fall behind but
-never holds training up.
+:class:`BackgroundEvaluator` (async mode) owns an engine in a thread of its
+own, niced so the OS prefers the trainer and the rollouts. The trainer hands it
+the weights of a version through a one-slot mailbox: a newer request replaces
+an unstarted older one, so evaluation can fall behind but never holds training
+up. Without a device of its own the engine is a :class:`BoundEngine`: it reads
+the weight service's kept tensors in place rather than a copy of the policy.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def evaluate(
     """
     from runtime.rollout.engine import SamplingParams
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=(tokenizer.eos_id,), n=n)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=tokenizer.stop_ids, n=n)
     started = time.perf_counter()
     correct = 0
     reward = 0.0
@@ -63,6 +64,39 @@ def evaluate(
             correct += bool(ok)
     total = max(1, len(prompts) * n)
     return {EVAL_ACCURACY: correct / total, EVAL_REWARD: reward / total, TIME_EVAL: time.perf_counter() - started}
+
+
+class BoundEngine:
+    """An engine over a storage-less module whose parameters are bound, not copied, on each update.
+
+    ``bind(state)`` makes ``state``'s tensors the module's parameters (``PublishedPolicy.bind``); the
+    engine is then told the version with no weights, so its runner re-reads them. Call
+    :meth:`update_weights` between generations (the evaluator's thread does: it owns the engine).
+    """
+
+    def __init__(self, engine: Any, bind: Callable[[dict[str, torch.Tensor]], Any]):
+        self.engine = engine
+        self._bind = bind
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def update_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        if state is not None:
+            self._bind(state)
+        self.engine.update_weights(None, version)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine.generate(*args, **kwargs)
 
 
 class BackgroundEvaluator:

@@ -38,6 +38,7 @@ from runtime.rollout.transfer import sweep
 from runtime.rollout.wire import shm_prefix
 from runtime.sample_queue import QueueClosed, QueueStats, SampleQueue
 from runtime.samples import Sample
+from runtime.weights.service import KEPT_ON
 
 
 class AsyncMode:
@@ -70,7 +71,8 @@ class AsyncMode:
     # ---- the loop ----
     def run(self) -> dict[str, Any]:
         ctx = self.ctx
-        probe = ctx.workload.consistency_probe(ctx.spec, ctx.device, max_samples=min(self.G, 4))  # a sample: cheap
+        # a sample: cheap; scored where the weight service keeps its versions, reading them in place
+        probe = ctx.workload.consistency_probe(ctx.spec, KEPT_ON, max_samples=min(self.G, 4))
         self.pool.share_weights(ctx.trainer.publish_state())
         if self.peers is not None:
             self.peers.listen()
@@ -260,16 +262,22 @@ class AsyncMode:
 
 
 def _local_evaluator(ctx: RunContext) -> BackgroundEvaluator | ProcessEvaluator:
-    """The evaluator on the trainer's host: a process of its own when the workload asks, else a thread."""
+    """The evaluator on the trainer's host: a process of its own when the workload asks, else a thread.
+
+    Without a device of its own the thread evaluates on the host, beside the weight service's kept
+    versions, so the workload can read them in place instead of copying the policy onto the trainer's
+    device (the built-in engine; vLLM stays on the trainer's device)."""
     if ctx.workload.evaluates_in_process:
-        return ProcessEvaluator(ctx.spec.resolved(), str(_eval_device(ctx)))
-    return BackgroundEvaluator(lambda: ctx.workload.eval_engine(ctx.spec, _eval_device(ctx), ctx.models), ctx.run_eval)
+        return ProcessEvaluator(ctx.spec.resolved(), str(_eval_device(ctx, ctx.device)))
+    # vLLM loads weights of its own onto an accelerator: without a device of its own it keeps the trainer's
+    device = _eval_device(ctx, KEPT_ON if ctx.spec.rollout.engine == "builtin" else ctx.device)
+    return BackgroundEvaluator(lambda: ctx.workload.eval_engine(ctx.spec, device, ctx.models), ctx.run_eval)
 
 
-def _eval_device(ctx: RunContext) -> Any:
-    """The evaluator's device: its own with ``resources.eval_devices``, else the trainer's."""
+def _eval_device(ctx: RunContext, default: Any) -> Any:
+    """The evaluator's device: its own with ``resources.eval_devices``, else ``default``."""
     from runtime.devices import resolve_device
     from runtime.placement import eval_device_index
 
     index = eval_device_index(ctx.spec)
-    return ctx.device if index is None else resolve_device(ctx.spec.resources.device, index)
+    return default if index is None else resolve_device(ctx.spec.resources.device, index)

@@ -37,6 +37,9 @@ import torch
 import torch.multiprocessing as mp
 
 State = dict[str, torch.Tensor]
+# Where kept versions live: host memory. Each is a private copy, never written after it is made, so a
+# reader may use its tensors in place (runtime.workloads.llm.probe.PublishedPolicy) even after it is dropped.
+KEPT_ON = torch.device("cpu")
 
 
 class WeightError(RuntimeError):
@@ -100,7 +103,7 @@ class WeightService:
             raise WeightError(f"version {new} is not newer than the published {self._version}")
         if state is not None:
             if self.keep:
-                self._history[new] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+                self._history[new] = {k: v.detach().to(KEPT_ON, copy=True) for k, v in state.items()}
                 while len(self._history) > self.keep:
                     self._history.popitem(last=False)
             if self._shared is not None:
@@ -123,7 +126,7 @@ class WeightService:
         """Record ``state`` as the weights of the current version, without a new version
         (at the start of a run or after a resume), for subscribers and rollback alike."""
         if self.keep:
-            self._history[self._version] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            self._history[self._version] = {k: v.detach().to(KEPT_ON, copy=True) for k, v in state.items()}
             while len(self._history) > self.keep:
                 self._history.popitem(last=False)
         if self._shared is not None:

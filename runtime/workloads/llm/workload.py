@@ -13,17 +13,18 @@ from typing import Any
 import torch
 
 from runtime.contract import EVAL_ACCURACY, GEN_TOKENS_PER_S
-from runtime.evaluation.evaluator import evaluate
-from runtime.models import build_policy, save_hf
+from runtime.evaluation.evaluator import BoundEngine, evaluate
+from runtime.models import save_hf
 from runtime.sample_queue import pack_samples, unpack_samples
 from runtime.samples import Sample
 from runtime.spec import RunSpec
 from runtime.train.trainer import Trainer
+from runtime.weights.service import KEPT_ON
 from runtime.workloads.llm.data import PromptSource, TokenCost
 from runtime.workloads.llm.generation import RolloutWorker
 from runtime.workloads.llm.instance import RemoteLLMRollout, RolloutInstance, build_instance
 from runtime.workloads.llm.models import Models, build_engine, build_models, build_task
-from runtime.workloads.llm.probe import ConsistencyProbe
+from runtime.workloads.llm.probe import ConsistencyProbe, PublishedPolicy
 
 
 class LLMWorkload:
@@ -57,12 +58,10 @@ class LLMWorkload:
     def inline_generator(
         self, spec: RunSpec, models: Models, task: Any, device: torch.device, colocated: bool
     ) -> RolloutWorker:
-        if colocated:
-            engine_model = models.policy  # zero copy: the engine reads the trainer's parameters
-        else:
-            engine_model, _ = build_policy(spec.model, device, seed=spec.seed)
-            engine_model.eval()
-        engine = build_engine(engine_model, models.tokenizer, device, spec)
+        # zero copy when the engine shares the trainer's module; otherwise the builder gives the engine its
+        # own weights (a torch copy for the built-in engine, vLLM's own) and each sync sends the full state
+        shared = models.policy if spec.engine_shares_policy else None
+        engine = build_engine(shared, models.tokenizer, device, spec, colocated=colocated)
         return RolloutWorker(spec, engine, models.tokenizer, task, device)
 
     def rollout_instance(
@@ -95,11 +94,12 @@ class LLMWorkload:
 
     # ---- evaluation ----
     def eval_engine(self, spec: RunSpec, device: torch.device, models: Models | None = None) -> Any:
-        model, tokenizer = build_policy(spec.model, device, seed=spec.seed)
-        model.eval()
-        if models is not None:  # in the trainer's process: its tokenizer, as the inline engine's
-            tokenizer = models.tokenizer
-        return build_engine(model, tokenizer, device, spec)
+        tokenizer = None if models is None else models.tokenizer  # the trainer's process: its tokenizer
+        if models is not None and spec.rollout.engine == "builtin" and torch.device(device) == KEPT_ON:
+            # beside the weight service's kept versions: read the version handed in place, no policy copy
+            policy = PublishedPolicy(spec.model, device)
+            return BoundEngine(build_engine(policy.model, tokenizer, device, spec), policy.bind)
+        return build_engine(None, tokenizer, device, spec)  # a device of its own: the engine's weights are its own
 
     def evaluate(self, spec: RunSpec, engine: Any, task: Any) -> dict[str, float]:
         r = spec.rollout
