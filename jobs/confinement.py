@@ -13,7 +13,8 @@ Every path is resolved first (symlinks followed, ``..`` folded), then:
 
 ``output_dir`` is not checked: the platform replaces it with the run's own directory at launch.
 The decision never looks at the file itself, so a refusal reads the same whether or not the path
-exists; whether an allowed path exists is the runtime's check, made later.
+exists. Only once a path is allowed does ``jobs.spec_files`` look at it (when its root is visible on the
+control plane); the runtime checks it again when a role starts.
 
 The code a spec names is confined too: a plug-in algorithm (``algorithm.name: package.module:factory``)
 and a user's Gymnasium environment (``env.entry_point: package.module:make_env``) make every host of the
@@ -41,7 +42,9 @@ __all__ = [
     "SPEC_PATH_FIELDS",
     "inside_run",
     "plugin_allowed",
+    "readable_roots",
     "refused_spec_paths",
+    "resolve_spec_path",
     "team_may_read",
 ]
 
@@ -74,7 +77,7 @@ def run_directory(run_id: int) -> Path:
     return checkpoint_root() / f"run-{run_id}"
 
 
-def _resolve(base: Path, value: Any) -> Path | None:
+def resolve_spec_path(base: Path, value: Any) -> Path | None:
     """``value`` resolved against ``base``; None for anything that is not a usable path string."""
     if not isinstance(value, str) or not value or "\x00" in value:
         return None
@@ -86,11 +89,11 @@ def _resolve(base: Path, value: Any) -> Path | None:
 
 def inside_run(run_id: int, recorded: Any) -> Path | None:
     """A checkpoint path as the runtime reports it, resolved; None unless inside the run's own directory."""
-    path = _resolve(checkpoint_root(), recorded)
+    path = resolve_spec_path(checkpoint_root(), recorded)
     return path if path is not None and path.is_relative_to(run_directory(run_id)) else None
 
 
-def _readable_roots(team: Team) -> list[Path]:
+def readable_roots(team: Team) -> list[Path]:
     roots = [Path(item).resolve() for item in team.data_roots or [] if isinstance(item, str) and item]
     if settings.TANDEM_SHARED_MODEL_ROOT is not None:
         roots.append(Path(settings.TANDEM_SHARED_MODEL_ROOT).resolve())
@@ -105,12 +108,12 @@ def _may_read(team: Team, path: Path | None) -> bool:
         parts = path.relative_to(root).parts
         match = _RUN_DIR.match(parts[0]) if parts else None
         return match is not None and Run.objects.filter(pk=int(match[1]), experiment__team=team).exists()
-    return any(path.is_relative_to(allowed) for allowed in _readable_roots(team))
+    return any(path.is_relative_to(allowed) for allowed in readable_roots(team))
 
 
 def team_may_read(team: Team, value: Any, *, base: Path | None = None) -> bool:
     """Whether ``team``'s runs may read ``value`` (relative: from ``base``, by default where roles start)."""
-    return _may_read(team, _resolve(base or Path(settings.BASE_DIR), value))
+    return _may_read(team, resolve_spec_path(base or Path(settings.BASE_DIR), value))
 
 
 def plugin_allowed(module: str) -> bool:

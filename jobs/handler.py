@@ -25,7 +25,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from jobs import accounting, admission, confinement, queue_order, stream
+from jobs import accounting, admission, confinement, queue_order, spec_files, stream
 from jobs.ingest.tokens import REVOKED_AT, revoke_run_tokens
 from jobs.lifecycle.dispatch import request_launch
 from jobs.models import Experiment, Run
@@ -300,7 +300,8 @@ def check_submission(
     parent_checkpoint: str = "",
 ) -> tuple[str, RunSpec, dict[str, Any]]:
     """A submission's checks that read nothing stored: its arguments, the spec, the paths the experiment's team
-    may read. Returns the stored spec text, the validated spec and the resolved one; raises InvalidInput.
+    may read, then the files those paths name where the control plane sees them (jobs.spec_files). Returns the
+    stored spec text, the validated spec and the resolved one; raises InvalidInput.
     (``check_fits`` follows; a submit looks for an earlier submission of the same id in between.)"""
     _check_submit_args(submission_id, priority, name)
     text, parsed = _parse_spec(spec, overrides)
@@ -309,6 +310,9 @@ def check_submission(
     refused = confinement.refused_spec_paths(experiment.team, resolved, parent_checkpoint)
     if refused:
         raise InvalidInput(refused)
+    file_problems = spec_files.spec_file_problems(experiment.team, parsed)
+    if file_problems:
+        raise InvalidInput(file_problems)
     return text, parsed, resolved
 
 

@@ -17,10 +17,16 @@ Every problem is a TaskError naming the field, the file and the row (rows count 
 JSONL file's blank lines are not rows): ``task.path: train.parquet row 17: no answer_key 'answer'``.
 Without ``eval_path`` the held-out prompts are a seeded split of ``path``: ``min(eval_size, rows // 5)`` rows,
 at least one, as for the jsonl task.
+
+:func:`dataset_columns` reads a file's column names without reading its rows (a parquet or arrow file's
+schema, a json / jsonl file's first record), so the platform's submit can check the keys with the rule
+(:func:`check_keys`) the runtime applies to the whole table, before any work starts.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import random
 import tempfile
@@ -54,16 +60,32 @@ def _why(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
-def load_table(path: str, field: str) -> Any:
-    """The rows of a local dataset file as a `datasets.Dataset`; a missing or unreadable file is a TaskError."""
+class DatasetFileError(TaskError):
+    """A dataset file's problem, its spec field kept apart (``field``, ``problem``) for the platform's field errors;
+    its text is ``"<field>: <problem>"`` as every TaskError's."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field}: {problem}")
+
+
+def _dataset_file(path: str, field: str) -> tuple[Path, str]:
+    """The file at ``path`` and the `datasets` builder of its extension; an unknown extension, a missing or an
+    empty file is a DatasetFileError."""
     file = Path(path).expanduser()
     builder = DATASET_FORMATS.get(file.suffix.lower())
     if builder is None:
-        raise TaskError(f"{field}: {path}: the dataset task reads {', '.join(DATASET_FORMATS)} files")
+        raise DatasetFileError(field, f"{path}: the dataset task reads {', '.join(DATASET_FORMATS)} files")
     if not file.is_file():
-        raise TaskError(f"{field}: no such file: {path}")
+        raise DatasetFileError(field, f"no such file: {path}")
     if file.stat().st_size == 0:
-        raise TaskError(f"{field}: {path}: the file is empty")
+        raise DatasetFileError(field, f"{path}: the file is empty")
+    return file, builder
+
+
+def load_table(path: str, field: str) -> Any:
+    """The rows of a local dataset file as a `datasets.Dataset`; a missing or unreadable file is a TaskError."""
+    file, builder = _dataset_file(path, field)
     datasets = _offline_datasets()
     with tempfile.TemporaryDirectory(prefix="tandem-datasets-") as cache:
         try:
@@ -77,13 +99,9 @@ def load_table(path: str, field: str) -> Any:
 def read_dataset(path: str, field: str, prompt_key: str, answer_key: str) -> list[Row]:
     """(prompt, answer) of each row of a dataset file, validated row by row."""
     table = load_table(path, field)
-    columns = list(table.column_names)
-    for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
-        if key not in columns:
-            raise TaskError(f"{field}: {path}: no column {key!r} ({role}); its columns: {', '.join(columns)}")
+    check_keys(list(table.column_names), path, field, prompt_key, answer_key)
     rows: list[Row] = []
-    prompts, answers = table[prompt_key], table[answer_key]
-    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True), start=1):
+    for index, (prompt, answer) in enumerate(_decoded_rows(table, path, field, prompt_key, answer_key), start=1):
         where = f"{field}: {path} row {index}"
         if prompt is None:
             raise TaskError(f"{where}: no prompt_key {prompt_key!r}")
@@ -102,6 +120,102 @@ def read_dataset(path: str, field: str, prompt_key: str, answer_key: str) -> lis
     if not rows:
         raise TaskError(f"{field}: {path}: no rows")
     return rows
+
+
+def _decoded_rows(table: Any, path: str, field: str, prompt_key: str, answer_key: str) -> Any:
+    """(prompt, answer) per row; text that is not UTF-8 (pyarrow decodes a row only when it is read) is a
+    TaskError naming the row, not a crash."""
+    prompts, answers = table[prompt_key], table[answer_key]
+    for start in range(0, len(table), _DECODE_ROWS):
+        stop = min(start + _DECODE_ROWS, len(table))
+        try:
+            yield from zip(prompts[start:stop], answers[start:stop], strict=True)
+        except UnicodeDecodeError:
+            for index in range(start, stop):  # which row: decode them one by one
+                try:
+                    _ = (prompts[index], answers[index])
+                except UnicodeDecodeError:
+                    raise TaskError(f"{field}: {path} row {index + 1}: not UTF-8 text") from None
+            raise
+
+
+_DECODE_ROWS = 4096  # rows decoded at once: slices are fast, single rows slow
+
+
+def check_keys(columns: list[str], path: str, field: str, prompt_key: str, answer_key: str) -> None:
+    """A DatasetFileError unless ``columns`` (a dataset file's) hold ``prompt_key`` and ``answer_key``."""
+    for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
+        if key not in columns:
+            raise DatasetFileError(field, f"{path}: no column {key!r} ({role}); its columns: {', '.join(columns)}")
+
+
+# How far into a json / jsonl file its first record is looked for: a record longer than this is not judged.
+FIRST_RECORD_LIMIT = 8 << 20
+_FIRST_CHUNK = 1 << 16
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def dataset_columns(path: str, field: str) -> list[str] | None:
+    """The column names of a local dataset file, without reading its rows: a parquet file's schema (its footer),
+    an arrow file's schema, a json / jsonl file's first record's keys (a row without a key the others have is
+    null there, which :func:`read_dataset` refuses as well). None when the first record runs past
+    FIRST_RECORD_LIMIT bytes. A missing, empty or unreadable file is a DatasetFileError naming ``field``; an
+    OSError opening or reading it (permissions) propagates: it says nothing about the file's content."""
+    file, builder = _dataset_file(path, field)
+    if builder == "json":
+        return _first_record_keys(file, path, field)
+    # imported here: pyarrow comes with the `datasets` library, which only the dataset task needs
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with file.open("rb") as handle:
+        try:
+            if builder == "parquet":
+                return list(pq.read_schema(handle).names)
+            try:  # `datasets` writes the arrow stream format; the file format is read too, as its builder does
+                return list(pa.ipc.open_stream(handle).schema.names)
+            except pa.ArrowInvalid:
+                handle.seek(0)
+                return list(pa.ipc.open_file(handle).schema.names)
+        except OSError:
+            raise
+        except (pa.ArrowException, ValueError) as exc:
+            raise DatasetFileError(field, f"{path}: not a readable {file.suffix} file ({_why(exc)})") from None
+
+
+def _first_record_keys(file: Path, path: str, field: str) -> list[str] | None:
+    """The keys of the first record of a JSON Lines file or of a JSON array of records, read a chunk at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    text, read, size, total = "", 0, _FIRST_CHUNK, file.stat().st_size
+    with file.open("rb") as handle:
+        while True:
+            chunk = handle.read(min(size, FIRST_RECORD_LIMIT - read))
+            read, size = read + len(chunk), size * 2  # doubling: a long record is parsed a few times, not hundreds
+            ended = not chunk or read >= total
+            try:
+                text += decoder.decode(chunk, final=ended)
+            except UnicodeDecodeError:
+                raise DatasetFileError(field, f"{path}: not a readable {file.suffix} file (not UTF-8 text)") from None
+            body = text.lstrip("\ufeff \t\r\n")  # a byte-order mark, then blank lines
+            if body.startswith("["):  # a JSON array of records
+                body = body[1:].lstrip()
+                if body.startswith("]"):
+                    raise DatasetFileError(field, f"{path}: no rows")
+            try:
+                record, _ = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError as exc:
+                if ended:  # the whole file was read: it is malformed, not cut short
+                    if not body:
+                        raise DatasetFileError(field, f"{path}: no rows") from None
+                    why = f"{exc.msg} in the first record"
+                    raise DatasetFileError(field, f"{path}: not a readable {file.suffix} file ({why})") from None
+                if read >= FIRST_RECORD_LIMIT:
+                    return None
+                continue
+            if not isinstance(record, dict):
+                problem = f"its first record is a JSON {_JSON_TYPES[type(record)]}, not an object of columns"
+                raise DatasetFileError(field, f"{path}: {problem}")
+            return list(record)
 
 
 def split_rows(rows: list[Row], eval_size: int, seed: int) -> tuple[list[Row], list[Row]]:

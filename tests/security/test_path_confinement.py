@@ -226,6 +226,7 @@ def test_a_link_changed_after_submit_is_refused_when_the_role_starts(
 
     data = tmp_path / "team-a-data"
     (data / "model").mkdir(parents=True)
+    (data / "model" / "config.json").write_text("{}")  # a model directory, so the submit's file check passes
     os.symlink(data / "model", data / "current")
     team_a.data_roots = [str(data)]
     team_a.save()
