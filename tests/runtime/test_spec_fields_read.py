@@ -35,6 +35,12 @@ ALL = MODES
 
 # Fields accepted but not read by the tiny runs: (the modes, why; where a test proves the field acts).
 EXEMPT: dict[str, tuple[tuple[str, ...], str]] = {
+    "trainer.cpu_offload": (
+        ALL,
+        "refused on resources.device cpu, where the trainer already is in host memory; on accelerators fsdp "
+        "passes FSDP2's CPUOffloadPolicy (runtime/train/parallel.py, not run on hardware) "
+        "(test_spec_knobs.py::test_training_strategy_combinations_that_cannot_act_are_refused)",
+    ),
     "trainer.collective_timeout_s": (
         ALL,
         "read by data-parallel trainer ranks only, resources.trainer_devices > 1 "

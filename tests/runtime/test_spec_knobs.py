@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.__main__ import main
-from runtime.spec import ACTS_ONLY_WITH, MODE_ONLY, RunSpec, SpecError, validate_spec
+from runtime.spec import ACTS_ONLY_WITH, MODE_ONLY, RunSpec, SpecError, load_spec, validate_spec
 
 MODES = ("sync", "async", "colocated")
 # A value other than the default for each mode-only knob.
@@ -185,3 +185,29 @@ def test_a_bare_yaml_off_means_off():
 def test_defaults_in_any_mode_are_accepted():
     for mode in MODES:
         assert isinstance(validate_spec(_spec(mode)), RunSpec)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "message"),
+    [
+        ({"trainer": {"strategy": "fsdp"}}, "trainer.strategy", "fsdp shards over trainer ranks"),
+        (
+            {"trainer": {"mixed_precision": "bf16"}, "model": {"dtype": "bfloat16"}},
+            "trainer.mixed_precision",
+            "bf16 keeps float32 master weights: needs model.dtype float32, not bfloat16",
+        ),
+        ({"trainer": {"cpu_offload": True}}, "trainer.cpu_offload", "acts only with trainer.strategy fsdp"),
+        (
+            {"trainer": {"strategy": "fsdp", "cpu_offload": True}, "resources": {"trainer_devices": 2}},
+            "trainer.cpu_offload",
+            "the trainer already runs in host memory on resources.device cpu",
+        ),
+    ],
+)
+def test_training_strategy_combinations_that_cannot_act_are_refused(data, field, message):
+    assert _errors(data)[field].startswith(message)
+
+
+def test_a_bare_yaml_off_is_the_mixed_precision_off():
+    spec = load_spec("examples/grpo-sync.yaml", ["trainer.mixed_precision=bf16", "trainer.mixed_precision=off"])
+    assert spec.trainer.mixed_precision == "off"
