@@ -70,6 +70,7 @@ MAPPED: dict[str, Callable[[Any], tuple[str, Any]]] = {
     "rollout.length_prediction": lambda value: ("dispatch", _DISPATCH_OF.get(value, value)),
     "trainer.updates_per_step": _same("updates_per_step"),
     "resources.trainer_devices": _same("trainer_ranks"),
+    "trainer.strategy": lambda value: ("training", "sharded" if value == "fsdp" else "ddp"),
     "resources.rollout_workers": _same("rollout_instances"),
     "resources.remote_rollout_workers": _same("remote_rollout_instances"),
 }
@@ -86,6 +87,9 @@ THROUGH_INPUTS: dict[str, str] = {
     "algorithm.off_policy": _COSTS + ": the proximal forward is part of the per-token training cost",
     "trainer.micro_batch_tokens": _COSTS,
     "rollout.engine": _COSTS,
+    "rollout.gpu_memory_utilization": _COSTS + ": the KV cache vLLM may hold bounds the engine's batch",
+    "trainer.mixed_precision": _COSTS + ": the compute dtype is part of the per-token training cost",
+    "trainer.gradient_checkpointing": _COSTS + ": recomputing each layer is part of the per-token training cost",
     "resources.device": _COSTS,
     "resources.threads_per_process": _COSTS,
     "task.name": _LENGTHS,
@@ -207,6 +211,10 @@ NOT_MODELLED: dict[str, tuple[Callable[[Any, dict[str, Any]], bool], str]] = {
     "resources.min_rollout_workers": (_no_scaling, "instance scaling: the model keeps every instance active"),
     "pipeline.scale_up_below": (_no_scaling, "instance scaling: the model keeps every instance active"),
     "pipeline.scale_down_above": (_no_scaling, "instance scaling: the model keeps every instance active"),
+    "trainer.cpu_offload": (
+        _is(False),
+        "host-device traffic of offloaded parameters and the optimizer step on the CPU are not modelled",
+    ),
     "resources.rollout_devices": (
         _device_per_instance,
         "the model gives each rollout instance a device of its own; here instances share devices",

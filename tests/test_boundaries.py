@@ -57,9 +57,16 @@ def test_ci_client_imports_without_django():
     assert "torch" not in loaded
 
 
-# What the platform may import of the runtime: the spec (to validate submissions) and the contract (what
-# the halves agree on). Anything else would tie the web processes to the runtime's internals (and torch).
-PLATFORM_MAY_IMPORT = {"runtime", "runtime.spec", "runtime.contract"}
+# What the platform may import of the runtime: the spec (to validate submissions), the contract (what
+# the halves agree on) and the dataset task's file rule (submit reads a dataset file's columns as the runtime
+# does: jobs/spec_files.py). Anything else would tie the web processes to the runtime's internals (and torch).
+PLATFORM_MAY_IMPORT = {"runtime", "runtime.spec", "runtime.contract", "runtime.tasks.dataset"}
+
+
+def test_the_dataset_file_rule_imports_without_torch_or_django():
+    loaded = _modules_loaded_by("import runtime.tasks.dataset")
+    assert "torch" not in loaded and "transformers" not in loaded
+    assert not loaded & PLATFORM_MODULES
 
 
 def _runtime_modules_imported_by(path: Path) -> set[str]:
@@ -78,7 +85,7 @@ def _runtime_modules_imported_by(path: Path) -> set[str]:
     return found
 
 
-def test_the_platform_imports_only_the_spec_and_the_contract_of_the_runtime():
+def test_the_platform_imports_only_the_spec_the_contract_and_the_dataset_rule_of_the_runtime():
     offenders = {}
     for folder in ("jobs", "rlplatform"):
         for path in sorted((ROOT / folder).rglob("*.py")):
