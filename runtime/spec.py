@@ -157,6 +157,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+VLLM_MAX_TEMPERATURE = 2.0  # vllm 0.30's SamplingParams refuses higher (runtime/rollout/vllm_adapter.py)
 BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2")
 BUILTIN_TASKS = ("reverse", "repeat", "arithmetic", "copy")
 
@@ -693,6 +694,14 @@ class RunSpec(_Section):
                     "field": "rollout.engine",
                     "message": f"vllm loads a Hugging Face model directory, but model.builtin {self.model.builtin} "
                     "has none: set model.path (`python -m runtime sft SPEC --steps N --out DIR` writes one)",
+                }
+            )
+        if self.rollout.temperature > VLLM_MAX_TEMPERATURE:
+            errors.append(
+                {
+                    "field": "rollout.temperature",
+                    "message": f"vllm samples at temperatures up to {VLLM_MAX_TEMPERATURE:g}, not "
+                    f"{self.rollout.temperature:g}",
                 }
             )
         if self.resources.eval_devices:

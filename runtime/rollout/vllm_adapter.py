@@ -2,13 +2,16 @@
 engine's interface: ``generate``, ``batcher()``, ``update_weights``, ``version``, ``tokenizer``, ``device``,
 ``stats``, ``max_batch_size``, plus ``sleep`` / ``wake_up`` for the colocated mode.
 
-Written against vLLM's V1 engine API as of release 0.11 (its ``LLM`` source and the sleep-mode docs,
-which the newest vLLM still describes the same way). requirements-gpu.txt pins a later release whose API
-was not read: ``bench/accelerator_smoke.py`` is where that is first checked. The calls: ``vllm.LLM``
-(``enable_sleep_mode``, ``logprobs_mode``, ``worker_extension_cls``, ``max_num_seqs``,
-``enable_prefix_caching``), ``LLM.llm_engine.add_request`` / ``step`` / ``abort_request``,
-``LLM.sleep(level=1)`` / ``LLM.wake_up(tags=[...])``, ``LLM.collective_rpc`` by method name, and ``SamplingParams(output_kind=RequestOutputKind.DELTA, logprobs=0, seed=...)``.
-**Never run on hardware**: CI has no vLLM; the tests drive this module against a stand-in of the package.
+Checked against the source of vllm 0.30.0, the release requirements-gpu.txt pins (its PyPI wheel):
+``vllm/entrypoints/llm.py`` (``LLM.__init__``, ``sleep(level, mode)``, ``wake_up(tags)``,
+``collective_rpc(method, timeout, args, kwargs)``), ``vllm/engine/arg_utils.py`` (the ``EngineArgs`` fields
+passed below), ``vllm/v1/engine/llm_engine.py`` (``add_request``, ``step``, ``abort_request``),
+``vllm/v1/engine/core.py`` and ``vllm/config/vllm.py`` (async scheduling, sleep / wake-up),
+``vllm/sampling_params.py``, ``vllm/outputs.py``, ``vllm/logprobs.py`` and
+``vllm/v1/engine/output_processor.py`` (what a ``DELTA`` output holds), ``vllm/envs.py``
+(``VLLM_ENABLE_V1_MULTIPROCESSING``). vllm 0.23.0 (under vllm-ascend 0.23.0) has the same calls.
+**Never run on hardware**: CI has no vLLM; the tests drive this module against a stand-in of the package
+with 0.30's signatures (tests/runtime/rollout/vllm_standin.py).
 
 How it matches the built-in engine (:mod:`runtime.rollout.engine`):
 
@@ -19,7 +22,12 @@ How it matches the built-in engine (:mod:`runtime.rollout.engine`):
   *truncated* distribution's (the built-in engine the untruncated one) — keep them off for RL.
 - Per-token versions: a weight update is applied between engine steps (staged while a step runs, as in
   the built-in engine); sequences in flight continue on the new weights and their later tokens carry the
-  new version. Prefix caching is off, so no request reuses KV entries another version computed.
+  new version. Prefix caching is off, so no request reuses KV entries another version computed. Async
+  scheduling is off (0.30 turns it on by default): with it, a step returns the tokens of the batch the
+  step before scheduled, so tokens sampled on the old weights would be tagged with the new version.
+- Stopping: on ``stop_ids`` and the tokenizer's eos, as the built-in engine; vLLM also stops on the eos
+  ids of the model directory's ``generation_config.json`` (unless ``ignore_eos``). vLLM samples at
+  temperatures up to 2 only: a hotter one is refused when the batcher is made.
 - Seeds: each request gets its own vLLM seed, drawn from the caller's generator in submission order:
   the same generator seed and prompts give the same draws for a given vLLM version and device.
 - Weights: ``update_weights(state, version)`` hands the full state to every worker's
@@ -30,6 +38,7 @@ How it matches the built-in engine (:mod:`runtime.rollout.engine`):
   to host memory (vLLM's sleep level 1) while the trainer trains; an update that arrives while asleep is
   staged; :meth:`VLLMEngine.wake_up` brings the weights back, loads the staged state, then re-allocates
   the KV cache (weights first, so the weight load never competes with the cache for device memory).
+  vLLM's sleep also pauses its scheduler, which resumes once both tags are awake.
   Level 2 (no host copy of the weights) would save host memory, but a wake-up without a newer state
   (an evaluation at a step boundary) would then have no weights to run on.
 - vLLM runs on the first device visible to its process (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES,
@@ -48,6 +57,7 @@ import torch
 from runtime.rollout.batcher import BatchStats
 from runtime.rollout.sampling import Completion, SamplingParams
 from runtime.rollout.vllm_batcher import VLLMBatcher
+from runtime.spec import VLLM_MAX_TEMPERATURE
 
 INSTALL_HINT = (
     "install it from requirements-gpu.txt (NVIDIA GPUs) or requirements-npu.txt (Ascend NPUs: vllm with "
@@ -55,6 +65,7 @@ INSTALL_HINT = (
 )
 WORKER_EXTENSION = "runtime.rollout.vllm_worker.PolicyWeightLoader"
 LOAD_WEIGHTS = "load_policy_weights"  # the method WORKER_EXTENSION adds to every vLLM worker
+MAX_TEMPERATURE = VLLM_MAX_TEMPERATURE  # vLLM's SamplingParams refuses temperatures above 2 (the spec too)
 
 
 class VLLMUnavailable(RuntimeError):
@@ -116,6 +127,7 @@ class VLLMEngine:
             enable_prefix_caching=False,  # cached KV of older weights must not serve a newer version
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            async_scheduling=False,  # each step's outputs are its own batch's: per-token versions stay exact
         )
         self._lock = threading.Lock()
         self._stepping = False
@@ -168,7 +180,7 @@ class VLLMEngine:
                 return
             if self._owner is not None and not self._owner.idle:
                 raise RuntimeError("the vLLM engine cannot sleep with requests in flight")
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=1, mode="abort")  # nothing in flight to abort: checked above
             self._asleep = True
 
     def wake_up(self) -> None:
@@ -191,6 +203,11 @@ class VLLMEngine:
     # ----- generation ----------------------------------------------------------------------------
     def batcher(self, params: SamplingParams, generator: torch.Generator | None = None) -> VLLMBatcher:
         """A request queue over this engine: ``submit(prompt_ids, tag)``, then ``step()`` until ``idle``."""
+        if params.temperature > MAX_TEMPERATURE:
+            raise ValueError(
+                f"rollout.temperature {params.temperature} is above {MAX_TEMPERATURE}, the most vLLM samples at; "
+                "use rollout.engine builtin for hotter sampling"
+            )
         return VLLMBatcher(self, params, generator)
 
     def claim(self, batcher: VLLMBatcher) -> None:
@@ -235,7 +252,7 @@ class VLLMEngine:
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=params.top_k,  # 0 is "off" for both (vLLM still takes -1, but prefers 0)
             max_tokens=max_new_tokens,
             stop_token_ids=sorted(stops),
             ignore_eos=params.ignore_eos,

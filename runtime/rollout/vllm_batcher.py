@@ -8,6 +8,13 @@ request's new tokens. Requests are streamed (``RequestOutputKind.DELTA``): every
 tagged with the weight version current during that step, so a sequence that crosses a weight update
 records both versions, as the built-in engine's do.
 
+vLLM 0.30's request calls (``vllm/v1/engine/llm_engine.py``): ``add_request(request_id, prompt, params)``
+returns vLLM's internal id (ours plus a random suffix); its ``RequestOutput.request_id`` and
+``abort_request(ids)`` use ours, so this queue keeps ours only. A ``DELTA`` output's
+``outputs[0].logprobs`` holds one ``{token id: Logprob}`` per new token (``vllm/outputs.py``,
+``vllm/v1/engine/output_processor.py``). vLLM's own finish reasons are "stop", "length", "abort", "error"
+and "repetition"; this queue asks for none that could end in the last three, so they are errors.
+
 Token accounting: vLLM packs its batches and pages its KV cache, so nothing here is padding:
 ``allocated_tokens`` equals ``real_tokens`` (the bubble the built-in engine measures is vLLM's own
 business and not visible through its API).
@@ -149,6 +156,7 @@ class VLLMBatcher:
         for r in taken:
             r.request_id = f"tandem-{next(_request_ids)}"
             params = self.engine.sampling_params(self.params, r.max_new, r.seed)
+            # vLLM's TokensPrompt; the internal id it returns is not needed (outputs carry ours)
             llm_engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_ids}, params)
             self._live[r.request_id] = r
             self.admitted.append(r.tag)
@@ -169,7 +177,9 @@ class VLLMBatcher:
         if not output.finished:
             return
         del self._live[output.request_id]
-        reason = "stop" if output.outputs and output.outputs[0].finish_reason == "stop" else "length"
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if reason not in ("stop", "length"):  # "abort" / "error" / "repetition": not a sample to learn from
+            raise RuntimeError(f"vLLM ended request {output.request_id} (tag {r.tag!r}) with finish_reason {reason!r}")
         index = r.tag if isinstance(r.tag, int) else -1
         finished.append((r.tag, Completion(index, r.tokens, r.logprobs, r.versions, reason)))
         self.stats.completed += 1

@@ -38,6 +38,14 @@ def test_vllm_with_a_builtin_model_is_a_field_error():
     assert "vllm loads a Hugging Face model directory, but model.builtin tiny-qwen2 has none" in found["rollout.engine"]
 
 
+def test_a_temperature_vllm_cannot_sample_at_is_a_field_error():
+    cuda = {"device": "cuda"}
+    assert errors(rollout={"engine": "vllm", "temperature": 2.5}, model={"path": "/models/p"}, resources=cuda) == {
+        "rollout.temperature": "vllm samples at temperatures up to 2, not 2.5"
+    }
+    load_spec(derived(rollout={"engine": "vllm", "temperature": 2.0}, model={"path": "/models/p"}, resources=cuda))
+
+
 def test_vllm_with_an_evaluator_device_in_the_trainers_process_is_a_field_error():
     found = errors(
         rollout={"engine": "vllm"},

@@ -1,6 +1,7 @@
-"""The vLLM adapter's own logic, driven against a stand-in of the vllm package (vLLM cannot run on the CPU
-test machines): request streaming and collection, per-token versions across a weight update, weight
-loading calls, sleep / wake-up order, seeds. What vLLM itself computes is not tested here."""
+"""The vLLM adapter's own logic, driven against a stand-in of the vllm package with vllm 0.30.0's signatures
+(vLLM cannot run on the CPU test machines): request streaming and collection, per-token versions across a
+weight update, weight loading calls, sleep / wake-up order, seeds. What vLLM itself computes is not tested
+here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from runtime.models import CharTokenizer
 from runtime.rollout.sampling import SamplingParams
 from runtime.rollout.vllm_adapter import LOAD_WEIGHTS, WORKER_EXTENSION, VLLMEngine
+from runtime.rollout.vllm_worker import PolicyWeightLoader
 from tests.runtime.rollout import vllm_standin
 
 
@@ -42,6 +44,7 @@ def test_vllm_is_started_for_rl_generation(fake_vllm):
         "enable_prefix_caching": False,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
+        "async_scheduling": False,
     }
 
 
@@ -77,7 +80,7 @@ def test_each_sequence_is_a_request_streamed_with_its_own_seed_drawn_from_the_ge
     assert len(adds) == 9 and len({rid for _, rid in adds}) == 9  # one request per sequence, unique ids
     sent = eng.sampling_params(params, 4, 123)
     assert (sent.n, sent.max_tokens, sent.seed, sent.logprobs, sent.detokenize) == (1, 4, 123, 0, False)
-    assert (sent.temperature, sent.top_p, sent.top_k) == (0.7, 0.9, -1)
+    assert (sent.temperature, sent.top_p, sent.top_k) == (0.7, 0.9, 0)  # 0: top-k off in vLLM as here
     assert sent.stop_token_ids == [CharTokenizer().eos_id, 5]
     assert sent.output_kind == fake_vllm.RequestOutputKind.DELTA
 
@@ -156,6 +159,7 @@ def test_colocated_sleep_stages_the_update_and_wake_up_loads_it_between_weights_
         eng.generate([[1, 10]], SamplingParams(max_new_tokens=2))
     eng.wake_up()
     order = [c[:2] for c in calls(eng, "sleep", "wake_up", "collective_rpc")]
+    assert calls(eng, "sleep") == [("sleep", 1, "abort")]
     assert order == [
         ("sleep", 1),
         ("wake_up", ["weights"]),
@@ -189,3 +193,75 @@ def test_a_version_only_update_keeps_the_staged_state(fake_vllm):
     eng.update_weights(None, 5)
     eng.wake_up()
     assert eng.version == 5 and len(calls(eng, "collective_rpc")) == 1
+
+
+def test_tokens_are_tagged_with_the_step_that_sampled_them_because_async_scheduling_is_off(fake_vllm):
+    eng = engine()
+    assert eng.llm.llm_engine.async_scheduling is False  # the stand-in lags a step behind when it is on
+    b = eng.batcher(SamplingParams(max_new_tokens=3))
+    b.submit([1] + [10] * 9, "x")
+    b.step()
+    assert (b.num_live, b.stats.generated_tokens) == (1, 1)  # the first step's token came back in that step
+
+
+def test_vllm_ids_and_aborts_use_the_callers_request_id_not_vllms_internal_one(fake_vllm):
+    eng = engine()
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    b.submit([1, 10, 11, 12], "x")
+    b.step()
+    (rid,) = b._live
+    assert rid.startswith("tandem-") and calls(eng, "add_request") == [("add_request", rid)]
+    assert b.cancel(lambda tag: True) == 1
+    assert calls(eng, "abort_request") == [("abort_request", [rid])] and eng.llm.llm_engine.running == {}
+
+
+@pytest.mark.parametrize("reason", ["error", "abort", "repetition"])
+def test_a_finish_reason_other_than_stop_or_length_is_an_error_not_a_sample(fake_vllm, reason):
+    eng = engine()
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    b.submit([1, 10, 11, 12], "x")
+    b.step()
+    (rid,) = b._live
+    eng.llm.llm_engine.end_next_step(rid, reason)
+    with pytest.raises(RuntimeError, match=f"finish_reason '{reason}'"):
+        b.step()
+    assert eng.stats.completed == 0
+
+
+def test_a_temperature_vllm_cannot_sample_at_is_refused_naming_the_spec_field(fake_vllm):
+    eng = engine()
+    with pytest.raises(ValueError, match="rollout.temperature 2.5 is above 2.0"):
+        eng.generate([[1, 10]], SamplingParams(max_new_tokens=2, temperature=2.5))
+    assert not calls(eng, "add_request")
+    assert eng.generate([[1, 10]], SamplingParams(max_new_tokens=2, temperature=2.0))  # the bound itself is taken
+
+
+def test_sleeping_with_requests_in_flight_is_refused(fake_vllm):
+    eng = engine(sleep_mode=True)
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    b.submit([1, 10, 11, 12], "x")
+    b.step()
+    with pytest.raises(RuntimeError, match="requests in flight"):
+        eng.sleep()
+    assert not calls(eng, "sleep") and not eng.asleep
+
+
+def test_the_worker_extension_adds_only_its_load_method_and_loads_through_get_model():
+    # vLLM refuses an extension with an attribute its worker already has: ours brings one method only
+    assert [a for a in dir(PolicyWeightLoader) if not a.startswith("__")] == [LOAD_WEIGHTS]
+    loaded = []
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights):
+            loaded.extend(name for name, _ in weights)
+            return {name for name, _ in weights}
+
+    class Runner:  # vLLM's model runner: get_model() is the served model, unwrapped
+        def get_model(self):
+            return Model()
+
+    class Worker(PolicyWeightLoader):
+        model_runner = Runner()
+
+    getattr(Worker(), LOAD_WEIGHTS)([("model.embed_tokens.weight", torch.ones(2, 2))])
+    assert loaded == ["model.embed_tokens.weight"]
