@@ -131,9 +131,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from runtime.pipeline import run
+    from runtime import processes
 
     spec = load_spec(args.spec, args.overrides)
+    processes.warm_up_for(spec)  # before torch is imported here: the two imports overlap
+
+    from runtime.pipeline import run
+
     resume = preflight(spec, args.resume)
     result = run(spec, resume=resume)
     summary = {k: result[k] for k in ("mode", "steps", "output_dir", "checkpoint")}

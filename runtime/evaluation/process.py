@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from runtime import processes
 from runtime.rollout.wire import from_bytes, to_bytes
 
 NICE = 19  # the lowest priority: below the trainer and the sampling workers
@@ -34,7 +35,7 @@ class ProcessEvaluator:
     """The trainer's side (see the module docstring)."""
 
     def __init__(self, spec_data: dict[str, Any], device: str, nice: int = NICE):
-        mp = torch.multiprocessing.get_context("spawn")
+        mp = processes.context()
         self._conn, child = mp.Pipe()
         self._proc = mp.Process(
             target=evaluator_process, args=(spec_data, device, child, nice), name="evaluator", daemon=True

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime import processes
 from runtime.control import Control
 from runtime.pipeline.async_mode import AsyncMode
 from runtime.pipeline.driver import RunContext
@@ -38,6 +39,7 @@ def run(
     step / dropped / left over (queue and in flight) at the end. ``rotate_checkpoints=False`` leaves
     every checkpoint in place (``spec.checkpoint`` still recorded as written): the caller owns retention.
     """
+    processes.warm_up_for(spec)  # children fork from it; its imports overlap building the trainer
     ctx = RunContext(spec, Path(resume) if resume is not None else None, reporters, stop, control, rotate_checkpoints)
     error: BaseException | None = None
     try:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 
+from runtime import processes
 from runtime.pipeline.driver import PipelineError, RunContext
 from runtime.pipeline.rollout_ledger import InstanceSlot, RolloutLedger
 from runtime.rollout.instance import rollout_process
@@ -42,7 +43,7 @@ class InstancePool:
         self.per_message = spec.items_per_message
         self.scaler = _scaler(spec)
         self.restarts = [0] * spec.resources.rollout_workers  # of each local instance
-        self.mp = torch.multiprocessing.get_context("spawn")
+        self.mp = processes.context()
         self.flags = self.mp.RawArray("q", 2)  # [STOP, EPOCH]; lock-free, so a killed reader cannot wedge it
         self.shared: Any = None  # the weight service's shared memory, as local instances open it
         self.listening = False  # remote instances may join: the status lists them
@@ -73,6 +74,7 @@ class InstancePool:
                 self.flags,
                 self.ctx.rollout_threads,
                 self.ledger.states.get(rank),  # where this rank's last accepted samples left it
+                os.getpid(),  # the trainer: the child's parent may be the fork server
             ),
             name=f"rollout-{rank}",
             daemon=True,

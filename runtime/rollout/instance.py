@@ -28,7 +28,7 @@ from typing import Any
 
 from runtime.devices import resolve_device, set_threads
 from runtime.placement import rollout_device_index
-from runtime.rollout.wire import STOP
+from runtime.rollout.wire import STOP, set_trainer_pid
 from runtime.spec import validate_spec
 from runtime.weights.service import WeightSubscriber
 from runtime.workloads.base import workload_for
@@ -43,6 +43,7 @@ def rollout_process(
     flags: Any,
     threads: int,
     state: bytes | None = None,
+    trainer: int | None = None,
 ) -> None:
     """Entry point of one rollout instance process (see the module docstring for the protocol).
 
@@ -51,10 +52,13 @@ def rollout_process(
     moment leaves the others and the trainer working. Exits on None, when ``flags[STOP]`` is set,
     or when the trainer process is gone.
     """
-    trainer_pid = os.getppid()
+    # Our parent: the trainer, or the fork server, which exits when the trainer does (runtime.processes).
+    parent = os.getppid()
+    if trainer is not None:
+        set_trainer_pid(trainer)
 
     def ended() -> bool:  # the run stops, or the trainer was killed (we are orphaned)
-        return bool(flags[STOP]) or os.getppid() != trainer_pid
+        return bool(flags[STOP]) or os.getppid() != parent
 
     instance = None
     try:

@@ -8,6 +8,7 @@ a workload's rollout instance uses it as it is.
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 import torch
@@ -31,3 +32,18 @@ def from_bytes(blob: bytes) -> Any:
 def shm_prefix(trainer_pid: int, rank: int, pid: int | None = None) -> str:
     """Names of the shared-memory segments of a trainer's instances (of one instance process, with ``pid``)."""
     return f"tandem-{trainer_pid}-" + ("" if pid is None else f"{rank}-{pid}-")
+
+
+_TRAINER_PID: int | None = None  # set in a rollout process by its entry point (runtime.rollout.instance)
+
+
+def set_trainer_pid(pid: int) -> None:
+    """Record, in a rollout process, the trainer that started it: its parent may be the fork server
+    (runtime.processes), not the trainer."""
+    global _TRAINER_PID
+    _TRAINER_PID = pid
+
+
+def trainer_pid() -> int:
+    """The pid of the trainer this rollout process serves (its parent, unless :func:`set_trainer_pid` said)."""
+    return _TRAINER_PID if _TRAINER_PID is not None else os.getppid()

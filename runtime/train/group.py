@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime import processes
 from runtime.placement import TrainerGroupError, local_ranks
 from runtime.samples import Sample
 
@@ -229,7 +230,7 @@ def start_group(spec: Any, threads: int) -> tuple[Any, list[Any]]:
 
 def spawn_followers(spec: Any, ranks: range, first_device: int, init: str, threads: int) -> list[Any]:
     """Start follower processes for ``ranks``; rank r uses device index ``r - ranks.start + first_device``."""
-    mp = torch.multiprocessing.get_context("spawn")
+    mp = processes.context()
     followers = []
     for rank in ranks:
         proc = mp.Process(

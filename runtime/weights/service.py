@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from runtime import processes
 
 State = dict[str, torch.Tensor]
 # Where kept versions live: host memory. Each is a private copy, never written after it is made, so a
@@ -87,7 +88,7 @@ class WeightService:
     def shared_handle(self, like: State, ctx: Any = None) -> SharedWeights:
         """Create (once) the shared-memory buffer for rollout processes, shaped like ``like``."""
         if self._shared is None:
-            ctx = ctx or mp.get_context("spawn")
+            ctx = ctx or processes.context()
             tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in like.items()}
             meta = torch.tensor([self._version, 0], dtype=torch.int64).share_memory_()
             self._shared = SharedWeights(tensors=tensors, meta=meta, lock=ctx.Lock())

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from runtime.rollout.wire import BEAT_S, EPOCH, from_bytes, shm_prefix, to_bytes
+from runtime.rollout.wire import BEAT_S, EPOCH, from_bytes, shm_prefix, to_bytes, trainer_pid
 from runtime.spec import RunSpec
 from runtime.workloads.gym.build import PolicyEngine, describe_env, learner_config, one_env
 from runtime.workloads.gym.data import SegmentItem
@@ -155,7 +155,7 @@ def local_instance(
     if spec.pipeline.transfer_shm_min_bytes is not None:
         from runtime.rollout.transfer import ShmCourier
 
-        courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), spec.pipeline.transfer_shm_min_bytes)
+        courier = ShmCourier(shm_prefix(trainer_pid(), rank, os.getpid()), spec.pipeline.transfer_shm_min_bytes)
     return GymRolloutInstance(rank, engine, sampler, sub, conn, flags, courier)
 
 

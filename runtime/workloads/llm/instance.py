@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from runtime.rollout.wire import BEAT_S, EPOCH, shm_prefix, to_bytes
+from runtime.rollout.wire import BEAT_S, EPOCH, shm_prefix, to_bytes, trainer_pid
 from runtime.samples import Sample
 from runtime.workloads.llm.data import WorkItem
 from runtime.workloads.llm.generation import batch_seed, make_samples, reward_scores
@@ -100,7 +100,7 @@ class RolloutInstance:
         if p.transfer_shm_min_bytes is not None and shm:  # shm: the trainer is on this host
             from runtime.rollout.transfer import ShmCourier
 
-            self.courier = ShmCourier(shm_prefix(os.getppid(), rank, os.getpid()), p.transfer_shm_min_bytes)
+            self.courier = ShmCourier(shm_prefix(trainer_pid(), rank, os.getpid()), p.transfer_shm_min_bytes)
         self.busy_s = 0.0
         self.throttled_s = 0.0
         self.stats_sent = (0, 0)  # the engine's real and allocated tokens at the last message
