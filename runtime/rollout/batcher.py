@@ -306,19 +306,28 @@ class ContinuousBatcher:
 
     def run(self, requests: Iterable[tuple[Any, list[int]]], on_complete: Callable[[Any, Completion], None]) -> None:
         """Feed ``(tag, prompt_ids)`` from ``requests`` lazily (as slots free) and step until all are done."""
-        source = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and self.wants_more():
-                try:
-                    tag, ids = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                self.submit(ids, tag)
-            if self.idle:
-                if exhausted:
-                    return
-                continue
-            for tag, completion in self.step():
-                on_complete(tag, completion)
+        drive(self, requests, on_complete)
+
+
+def drive(
+    batcher: Any, requests: Iterable[tuple[Any, list[int]]], on_complete: Callable[[Any, Completion], None]
+) -> None:
+    """Feed ``(tag, prompt_ids)`` from ``requests`` to ``batcher`` lazily (as its slots free) and step it until all
+    are done; ``on_complete(tag, completion)`` per finished sequence. Any batcher with ``wants_more``, ``submit``,
+    ``idle`` and ``step`` (the built-in one, vLLM's)."""
+    source = iter(requests)
+    exhausted = False
+    while True:
+        while not exhausted and batcher.wants_more():
+            try:
+                tag, ids = next(source)
+            except StopIteration:
+                exhausted = True
+                break
+            batcher.submit(ids, tag)
+        if batcher.idle:
+            if exhausted:
+                return
+            continue
+        for tag, completion in batcher.step():
+            on_complete(tag, completion)

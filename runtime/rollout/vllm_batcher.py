@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.rollout.batcher import BatchStats
+from runtime.rollout.batcher import BatchStats, drive
 from runtime.rollout.sampling import Completion, SamplingParams
 
 _request_ids = itertools.count()  # vLLM request ids are unique per engine; one counter for the process
@@ -193,19 +193,4 @@ class VLLMBatcher:
 
     def run(self, requests: Iterable[tuple[Any, list[int]]], on_complete: Callable[[Any, Completion], None]) -> None:
         """Feed ``(tag, prompt_ids)`` from ``requests`` lazily (as slots free) and step until all are done."""
-        source = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and self.wants_more():
-                try:
-                    tag, ids = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                self.submit(ids, tag)
-            if self.idle:
-                if exhausted:
-                    return
-                continue
-            for tag, completion in self.step():
-                on_complete(tag, completion)
+        drive(self, requests, on_complete)
