@@ -215,7 +215,8 @@ RUN_S = 240.0  # ceiling for each wait on a loaded machine (three ranks, a rollo
 
 
 def _rank_processes(role: RunRole) -> list[int]:
-    """The trainer rank processes a further trainer role started (spawned under its runtime process)."""
+    """The trainer rank processes a further trainer role started under its runtime process: forked by its fork
+    server (runtime/processes.py), or spawned by it under TANDEM_START_METHOD=spawn."""
     from pathlib import Path
 
     def children(pid: int) -> list[int]:
@@ -224,10 +225,18 @@ def _rank_processes(role: RunRole) -> list[int]:
         except OSError:
             return []
 
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
     ranks = []
     for runtime in children(role.pid):  # the wrapper's child: python -m runtime role trainer-ranks
         for child in children(runtime):
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"forkserver" in cmdline(child):  # its children are the ranks (they share its command line)
+                ranks.extend(children(child))
+            elif b"spawn_main" in cmdline(child):
                 ranks.append(child)
     return ranks
 
