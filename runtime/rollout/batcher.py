@@ -116,11 +116,7 @@ class ContinuousBatcher:
         """Queue one request (one sequence; expand ``n`` yourself). ``max_new_tokens`` lowers the sampling
         params' limit for this request only. Checked at once: bad prompts raise here."""
         self.engine._check_prompts([prompt_ids], self.params)
-        limit = self.params.max_new_tokens
-        if max_new_tokens is not None:
-            if not 1 <= max_new_tokens <= limit:
-                raise ValueError(f"max_new_tokens must be in [1, {limit}], got {max_new_tokens}")
-            limit = max_new_tokens
+        limit = request_limit(self.params, max_new_tokens)
         with self._lock:
             self._waiting.append([(tag, list(prompt_ids), limit)])
 
@@ -307,6 +303,16 @@ class ContinuousBatcher:
     def run(self, requests: Iterable[tuple[Any, list[int]]], on_complete: Callable[[Any, Completion], None]) -> None:
         """Feed ``(tag, prompt_ids)`` from ``requests`` lazily (as slots free) and step until all are done."""
         drive(self, requests, on_complete)
+
+
+def request_limit(params: SamplingParams, max_new_tokens: int | None) -> int:
+    """The new-token limit of one request: the sampling params', or a lower one asked for this request."""
+    limit = params.max_new_tokens
+    if max_new_tokens is not None:
+        if not 1 <= max_new_tokens <= limit:
+            raise ValueError(f"max_new_tokens must be in [1, {limit}], got {max_new_tokens}")
+        limit = max_new_tokens
+    return limit
 
 
 def drive(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.rollout.batcher import BatchStats, drive
+from runtime.rollout.batcher import BatchStats, drive, request_limit
 from runtime.rollout.sampling import Completion, SamplingParams
 
 _request_ids = itertools.count()  # vLLM request ids are unique per engine; one counter for the process
@@ -68,11 +68,7 @@ class VLLMBatcher:
     def submit(self, prompt_ids: list[int], tag: Any = None, max_new_tokens: int | None = None) -> None:
         """Queue one request (one sequence). ``max_new_tokens`` lowers the limit for this request only."""
         self.engine._check_prompts([prompt_ids], self.params)
-        limit = self.params.max_new_tokens
-        if max_new_tokens is not None:
-            if not 1 <= max_new_tokens <= limit:
-                raise ValueError(f"max_new_tokens must be in [1, {limit}], got {max_new_tokens}")
-            limit = max_new_tokens
+        limit = request_limit(self.params, max_new_tokens)
         with self._lock:
             self._waiting.append([_Request(tag, list(prompt_ids), limit, self._seed())])
 
