@@ -162,6 +162,8 @@ TIME_WEIGHT_SYNC = "time/weight_sync"
 TIME_WAIT = "time/wait"
 BUBBLE_TRAINER = "bubble/trainer"
 PADDING_RATIO = "train/padding_ratio"
+COMPUTED_TOKENS_RATIO = "train/computed_tokens_ratio"
+SHARED_PREFIX_SHARE = "train/shared_prefix"
 CONSISTENCY_DIFF_MEAN = "consistency/logprob_diff_mean"
 CONSISTENCY_DIFF_MAX = "consistency/logprob_diff_max"
 CONSISTENCY_KL = "consistency/kl"
@@ -222,6 +224,9 @@ METRICS: dict[str, str] = {
     TIME_WAIT: "Seconds the trainer spent waiting for samples in this step.",
     BUBBLE_TRAINER: "Trainer bubble fraction: time/wait divided by the trainer's step time (0..1).",
     PADDING_RATIO: "Padding tokens / all tokens in the training micro-batches (wasted compute).",
+    COMPUTED_TOKENS_RATIO: "Tokens the training forwards computed (padding included) / the samples' prompt and "
+    "response tokens: below 1 where a group's prompt ran once for all its samples.",
+    SHARED_PREFIX_SHARE: "Share of the training micro-batches in the shared-prefix layout.",
     CONSISTENCY_DIFF_MEAN: "Mean |engine logprob - trainer logprob| over the step's response tokens.",
     CONSISTENCY_DIFF_MAX: "Largest such difference in this step.",
     CONSISTENCY_KL: "Per-token k3 estimate of KL(engine || trainer) on the engine's sampled tokens.",

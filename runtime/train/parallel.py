@@ -143,6 +143,12 @@ class ParallelModel:
         with self.precision():
             return model(*args, **kwargs)
 
+    def prefix_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward another forward of the same micro-batch follows (the shared-prefix layout's prompts):
+        the module itself, so that with ddp only the micro-batch's last forward goes through the wrapper."""
+        with self.precision():
+            return self.module(*args, **kwargs)
+
     def precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast for ddp with mixed precision; FSDP2 casts by its own policy."""
         if self.compute_dtype is None or self.sharded:

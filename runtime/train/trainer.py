@@ -10,7 +10,10 @@ One :meth:`Trainer.train_step` call does, in order:
    (only when ``algorithm.kl_coef > 0`` and a reference is given), the
    critic's old values (PPO);
 4. ``trainer.updates_per_step`` mini-batches, each split into micro-batches
-   by a token budget over length-sorted sequences (little padding), gradient
+   by a token budget (:mod:`runtime.train.batches`: length-sorted padded rows,
+   or — where it computes fewer tokens — the shared-prefix layout that runs a
+   group's prompt once and continues its responses from the prompt's KV
+   cache, with the same loss and gradients up to float rounding), gradient
    accumulation with the loss normalised by the whole mini-batch's token /
    sequence counts across ranks (so it equals the full-batch loss), gradients
    summed over the ranks by the strategy's engine (DDP or FSDP2, see
@@ -37,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from runtime import metrics as M
 from runtime.contract import (
     ACCURACY,
+    COMPUTED_TOKENS_RATIO,
     CONSISTENCY_DIFF_MAX,
     CONSISTENCY_DIFF_MEAN,
     CONSISTENCY_KL,
@@ -61,11 +64,12 @@ from runtime.contract import (
     RESPONSE_LEN_MEAN,
     REWARD_MEAN,
     REWARD_STD,
+    SHARED_PREFIX_SHARE,
     STALENESS_MAX,
     STALENESS_MEAN,
     TRAIN_TOKENS_PER_S,
 )
-from runtime.models.logprobs import logprobs_from_logits, positions_from_mask, token_logprobs
+from runtime.models.logprobs import logprobs_from_logits, positions_from_mask
 from runtime.samples import Sample
 from runtime.train.algos.core import (
     aggregate_loss,
@@ -78,108 +82,18 @@ from runtime.train.algos.core import (
 from runtime.train.algos.core import value_loss as value_loss_fn
 from runtime.train.algos.interface import PolicyBatch, UpdateContext, adamw_update
 from runtime.train.algos.registry import get_algorithm
+from runtime.train.batches import (
+    MicroBatchPlan,
+    PaddedBatch,
+    ResponseLayout,
+    SharedPrefixBatch,
+    plan_micro_batches,
+)
 from runtime.train.parallel import LossScale, ParallelModel, load_shards, save_shards
 
 
 class TrainerError(ValueError):
     """Bad input to the trainer (message names the field or sample)."""
-
-
-# --------------------------------------------------------------------------- micro-batching
-
-
-def make_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Group sequence indices into micro-batches of at most ``token_budget`` padded tokens.
-
-    Sequences are sorted by length (longest first, ties by index) and packed
-    greedily: a micro-batch of ``b`` sequences whose longest has ``L`` tokens
-    costs ``b * L``. A sequence longer than the budget gets a micro-batch of
-    its own. Deterministic for a given input.
-    """
-    if token_budget < 1:
-        raise TrainerError("trainer.micro_batch_tokens must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        new_longest = max(longest, lengths[i])
-        if current and (len(current) + 1) * new_longest > token_budget:
-            batches.append(current)
-            current, new_longest = [], lengths[i]
-        current.append(i)
-        longest = new_longest
-    if current:
-        batches.append(current)
-    return batches
-
-
-def padded_tokens(lengths: list[int], batches: list[list[int]]) -> int:
-    """Tokens the forward passes of ``batches`` process, padding included."""
-    return sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
-
-
-def padding_ratio(lengths: list[int], batches: list[list[int]]) -> float:
-    """Padding tokens / all processed tokens of ``batches`` (0 when nothing is processed)."""
-    total = padded_tokens(lengths, batches)
-    return 0.0 if total == 0 else 1.0 - sum(lengths[i] for b in batches for i in b) / total
-
-
-@dataclass
-class _MicroBatch:
-    """Right-padded sequences and where their response tokens sit in the ``[B, L-1]`` next-token layout."""
-
-    indices: list[int]  # positions in the caller's sample list
-    input_ids: Tensor  # [B, L]
-    attention_mask: Tensor  # [B, L]
-    position_ids: Tensor  # [B, L]
-    rows: Tensor  # [n] row of each response token (sample order, then token order)
-    cols: Tensor  # [n] column in the [B, L-1] layout
-    mask: Tensor  # [B, L-1] float, 1 at response tokens
-    lengths: list[int]  # response length per row
-
-    def scatter(self, per_sample: list[Tensor]) -> Tensor:
-        """Per-sample 1-D response tensors -> ``[B, L-1]`` (0 elsewhere)."""
-        out = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.mask.device)
-        if self.rows.numel():
-            out[self.rows, self.cols] = torch.cat([per_sample[i] for i in self.indices]).to(out.device, torch.float32)
-        return out
-
-    def split(self, flat: Tensor) -> list[Tensor]:
-        """A flat ``[n]`` tensor in response-token order -> one 1-D tensor per row."""
-        return list(torch.split(flat, self.lengths))
-
-
-def _collate(samples: list[Sample], indices: list[int], pad_id: int, device: torch.device) -> _MicroBatch:
-    seqs = [samples[i].prompt_ids + samples[i].response_ids for i in indices]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    rows: list[int] = []
-    cols: list[int] = []
-    lengths: list[int] = []
-    for r, (i, seq) in enumerate(zip(indices, seqs, strict=True)):
-        input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[r, : len(seq)] = 1
-        p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
-        # Response token at sequence position p + j is predicted at column p + j - 1.
-        rows.extend([r] * n)
-        cols.extend(range(p - 1, p - 1 + n))
-        lengths.append(n)
-    mask = torch.zeros((len(seqs), max(width - 1, 1)), dtype=torch.float32)
-    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
-    if rows:
-        mask[rows_t, cols_t] = 1.0
-    return _MicroBatch(
-        indices=indices,
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=positions_from_mask(attention_mask).to(device),
-        rows=rows_t.to(device),
-        cols=cols_t.to(device),
-        mask=mask.to(device),
-        lengths=lengths,
-    )
 
 
 def _check_samples(samples: list[Sample]) -> None:
@@ -268,6 +182,10 @@ class Trainer:
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, _warmup(tcfg.warmup_steps))
         self.version = 0  # weight version of the policy; +1 per train_step
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
+        # The shared-prefix layout (runtime.train.batches) needs the prompt's KV cache with its graph, which
+        # gradient checkpointing drops; fsdp would need every rank to agree on the layout per micro-batch;
+        # a critic reads the padded layout. Elsewhere the planner uses it when it saves tokens.
+        self.shared_prefix_allowed = not self.sharded and not tcfg.gradient_checkpointing and self.critic is None
         self._offloaded: dict[int, dict] | None = None
 
     # ----------------------------------------------------------------- public
@@ -306,17 +224,14 @@ class Trainer:
         """The current policy's log-probs of each sample's response tokens (same math as the engine)."""
         _check_samples(samples)
         out: list[list[float]] = [[] for _ in samples]
-        lengths = [s.num_tokens for s in samples]
-        batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
-        count = self.parallel.agree(len(batches), training=False)  # before any forward: they may all-gather
-        for indices in batches:
-            mb = _collate(samples, indices, self.pad_id, self.device)
-            logp = token_logprobs(
-                self.parallel.forward, mb.input_ids, mb.attention_mask, mb.position_ids, self.temperature
-            )
-            for i, values in zip(indices, mb.split(logp[mb.rows, mb.cols]), strict=True):
+        plan = self._plan(samples, list(range(len(samples))))  # the layout the training pass would use
+        count = self.parallel.agree(len(plan), training=False)  # before any forward: they may all-gather
+        for b in range(len(plan)):
+            mb = plan.collate(b, samples, self.pad_id, self.device)
+            logp = self._token_logprobs(self.parallel.forward, mb, prefix_model=self.parallel.prefix_forward)
+            for i, values in zip(mb.indices, mb.split(logp), strict=True):
                 out[i] = values.tolist()
-        for _ in range(count - len(batches)):
+        for _ in range(count - len(plan)):
             self._padding_forward(policy=True, critic=False)
         return out
 
@@ -560,36 +475,44 @@ class Trainer:
         keys = [k for k, on in (("proximal", proximal), ("ref", want_ref), ("old_values", values)) if on]
         for k in keys:
             out[k] = [None] * len(samples)
-        lengths = [s.num_tokens for s in samples]
-        batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
-        count = self.parallel.agree(len(batches), training=False)  # before any forward: they may all-gather
-        for indices in batches:
-            mb = _collate(samples, indices, self.pad_id, self.device)
+        plan = self._plan(samples, list(range(len(samples))), shared_prefix=not values)
+        count = self.parallel.agree(len(plan), training=False)  # before any forward: they may all-gather
+        for b in range(len(plan)):
+            mb = plan.collate(b, samples, self.pad_id, self.device)
             for key in keys:
                 if key == "old_values":
-                    assert self.critic_parallel is not None
+                    assert self.critic_parallel is not None and isinstance(mb, PaddedBatch)
                     flat = self.critic_parallel.forward(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][
                         mb.rows, mb.cols
                     ]
                 else:
-                    model = self.parallel.forward if key == "proximal" else self.ref_policy
-                    assert model is not None
-                    flat = self._token_logprobs(model, mb)
-                for i, t in zip(indices, mb.split(flat.float().cpu()), strict=True):
+                    flat = (
+                        self._token_logprobs(self.parallel.forward, mb, prefix_model=self.parallel.prefix_forward)
+                        if key == "proximal"
+                        else self._token_logprobs(self.ref_policy, mb)
+                    )
+                for i, t in zip(mb.indices, mb.split(flat.float().cpu()), strict=True):
                     out[key][i] = t
-        for _ in range(count - len(batches)):
+        for _ in range(count - len(plan)):
             self._padding_forward(policy="proximal" in keys, critic="old_values" in keys)
         return out
 
+    def _plan(self, samples: list[Sample], indices: list[int], shared_prefix: bool = True) -> MicroBatchPlan:
+        """The micro-batches of ``indices``: shared-prefix where this trainer allows it and it saves tokens."""
+        allow = shared_prefix and self.shared_prefix_allowed
+        return plan_micro_batches(samples, indices, self.spec.trainer.micro_batch_tokens, allow)
+
     def _token_logprobs(
-        self, model: Callable[..., Any], mb: _MicroBatch, with_entropy: bool = False, entropy_grad: bool = False
+        self,
+        model: Callable[..., Any] | None,
+        mb: ResponseLayout,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+        prefix_model: Callable[..., Any] | None = None,
     ):
         """Log-probs (and optionally entropy) of the response tokens only, flat ``[n]``."""
-        logits = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
-        ).logits
-        picked = logits[mb.rows, mb.cols]  # [n, V]: skip the prompt and padding positions
-        targets = mb.input_ids[mb.rows, mb.cols + 1]
+        assert model is not None and isinstance(mb, (PaddedBatch, SharedPrefixBatch))
+        picked, targets = mb.logits_and_targets(model, prefix_model)  # [n, V]: response positions only
         logp = logprobs_from_logits(picked, targets, self.temperature)
         if not with_entropy:
             return logp
@@ -636,21 +559,23 @@ class Trainer:
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
         num_tokens, num_seqs = float(counts[0]), float(counts[1])
-        lengths = [samples[i].num_tokens for i in mini]
-        local_batches = make_micro_batches(lengths, self.spec.trainer.micro_batch_tokens)
-        stats.add_sum("real_tokens", float(sum(lengths)))
-        stats.add_sum("padded_tokens", float(padded_tokens(lengths, local_batches)))
+        plan = self._plan(samples, mini)
+        stats.add_sum("real_tokens", float(plan.real_tokens))
+        stats.add_sum("padded_tokens", float(plan.processed_tokens))
+        stats.add_sum("sample_tokens", float(sum(samples[i].num_tokens for i in mini)))
+        stats.add_sum("shared_prefix_batches", float(len(plan)) if plan.shared_prefix else 0.0)
+        stats.add_sum("micro_batches", float(len(plan)))
         behaviour = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
 
         loss_total = torch.zeros((), dtype=torch.float64)
         vloss_total = torch.zeros((), dtype=torch.float64)
-        count = self.parallel.agree(len(local_batches), training=True)
+        count = self.parallel.agree(len(plan), training=True)
         for k in range(count):
             with self._accumulating(last=k == count - 1):
-                if k < len(local_batches):
-                    indices = [mini[j] for j in local_batches[k]]
+                if k < len(plan):
+                    mb = plan.collate(k, samples, self.pad_id, self.device)
                     loss, vloss = self._micro_step(
-                        samples, indices, advantages, pre, behaviour, (num_tokens, num_seqs), stats
+                        samples, mb, advantages, pre, behaviour, (num_tokens, num_seqs), stats
                     )
                     loss_total += loss
                     vloss_total += vloss
@@ -690,23 +615,26 @@ class Trainer:
     def _micro_step(
         self,
         samples: list[Sample],
-        indices: list[int],
+        mb: ResponseLayout,
         advantages: list[Tensor],
         pre: dict[str, list],
         behaviour: list[Tensor],
         counts: tuple[float, float],
         stats: _Stats,
     ) -> tuple[Tensor, Tensor]:
-        """Forward and backward of one micro-batch (``indices`` into ``samples``); returns its policy and
-        value losses (float64, detached)."""
+        """Forward and backward of one micro-batch (rows ``mb.indices`` of ``samples``); returns its policy
+        and value losses (float64, detached)."""
         cfg = self.cfg
         num_tokens, num_seqs = counts
         need_entropy_grad = cfg.entropy_coef > 0
         on_the_fly_proximal = "proximal" not in pre and cfg.off_policy != "truncated"
         vloss = torch.zeros((), dtype=torch.float64)
-        mb = _collate(samples, indices, self.pad_id, self.device)
         logp_flat, ent_flat = self._token_logprobs(
-            self.parallel.forward, mb, with_entropy=True, entropy_grad=need_entropy_grad
+            self.parallel.forward,
+            mb,
+            with_entropy=True,
+            entropy_grad=need_entropy_grad,
+            prefix_model=self.parallel.prefix_forward,
         )
         logp = torch.zeros(mb.mask.shape, dtype=logp_flat.dtype, device=self.device).index_put(
             (mb.rows, mb.cols), logp_flat
@@ -718,7 +646,7 @@ class Trainer:
         elif on_the_fly_proximal:
             old = logp.detach()
             proximal_list = mb.split(logp_flat.detach().float().cpu())
-            self._consistency([samples[i] for i in indices], proximal_list, stats)
+            self._consistency([samples[i] for i in mb.indices], proximal_list, stats)
         else:
             old = mb.scatter(pre["proximal"])
         weights = importance_weights(old, behav, cfg.is_cap) * mb.mask if cfg.off_policy == "decoupled" else None
@@ -739,10 +667,11 @@ class Trainer:
             stats.add_sum(f"tok:{name}", float((values.detach() * mb.mask).sum()))
         stats.add_sum("tok_count", float(mb.mask.sum()))
         if self.critic is not None:
+            assert isinstance(mb, PaddedBatch)  # a critic keeps the padded layout (shared_prefix_allowed)
             vloss = self._critic_backward(mb, num_tokens, num_seqs)
         return loss.detach().double().cpu(), vloss
 
-    def _critic_backward(self, mb: _MicroBatch, num_tokens: float, num_seqs: float) -> Tensor:
+    def _critic_backward(self, mb: PaddedBatch, num_tokens: float, num_seqs: float) -> Tensor:
         assert self.critic_parallel is not None
         values = torch.zeros(mb.mask.shape, dtype=torch.float32, device=self.device)
         flat = self.critic_parallel.forward(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
@@ -803,6 +732,10 @@ class _Stats:
             out[LOSS_VALUE] = sums["loss_value"] / updates
         padded = sums.get("padded_tokens", 0.0)
         out[PADDING_RATIO] = 0.0 if padded == 0 else 1.0 - sums.get("real_tokens", 0.0) / padded
+        if sums.get("sample_tokens", 0.0) > 0:
+            out[COMPUTED_TOKENS_RATIO] = padded / sums["sample_tokens"]
+        if sums.get("micro_batches", 0.0) > 0:
+            out[SHARED_PREFIX_SHARE] = sums.get("shared_prefix_batches", 0.0) / sums["micro_batches"]
         tok = max(sums.get("tok_count", 0.0), 1.0)
         for key, value in sums.items():
             if key.startswith("tok:"):

@@ -33,6 +33,7 @@ CONTRACT_NAMES = """reward/mean reward/std accuracy eval/accuracy loss/policy lo
 clip_fraction grad_norm lr response_len/mean response_len/max staleness/mean staleness/max queue/depth
 queue/watermark samples/dropped_stale throughput/gen_tokens_per_s throughput/train_tokens_per_s
 throughput/samples_per_s time/generate time/train time/weight_sync time/wait bubble/trainer train/padding_ratio
+train/computed_tokens_ratio train/shared_prefix
 consistency/logprob_diff_mean consistency/logprob_diff_max consistency/kl weights/version""".split()
 # the rollout bubbles and dynamic parallelism of the multi-instance rollout, and reward-service drops
 CONTRACT_NAMES += """rollout/padding_ratio rollout/skewness rollout/sorting_wait rollout/active_instances

@@ -11,8 +11,9 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from runtime.contract import GRAD_NORM, LOSS_POLICY
+from runtime.train.batches import make_micro_batches
 from runtime.train.parallel import decoder_layers, training_state_bytes
-from runtime.train.trainer import Trainer, make_micro_batches
+from runtime.train.trainer import Trainer
 from tests.runtime.train.test_trainer import _free_port, _policy, _samples, _spec
 
 torch.set_num_threads(1)
@@ -151,6 +152,8 @@ def test_gradient_checkpointing_checkpoints_every_layer_and_gives_the_same_updat
     for on in (False, True):
         policy, tok = _policy()
         trainer = Trainer(_spec("trainer.lr=0.001", f"trainer.gradient_checkpointing={on}"), policy, tok, "cpu")
+        assert trainer.shared_prefix_allowed is not on  # checkpointing drops the prompt cache's graph
+        trainer.shared_prefix_allowed = False  # both in the padded layout: this compares checkpointing alone
         checkpointed = []
         for layer in decoder_layers(policy):
             run = layer._gradient_checkpointing_func if on else None  # HF sets it only when enabled

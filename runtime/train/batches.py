@@ -1,0 +1,418 @@
+"""How the trainer lays a step's samples out for its forward passes.
+
+Two layouts, one interface (:class:`ResponseLayout`: where each response token sits in a ``[B, W]``
+grid, rows in the caller's order, then token order), so the loss code does not know which ran:
+
+- :class:`PaddedBatch` — each sample's prompt and response as one right-padded row; one forward.
+  Micro-batches come from :func:`make_micro_batches` (length-sorted, a token budget).
+- :class:`SharedPrefixBatch` — the samples of one prompt (a GRPO group) share it: the prompt runs
+  once per group, right-padded, keeping its KV cache *with its autograd graph*; the cache is expanded
+  to the group's rows and the responses continue from it in a second forward. Gradients reach the
+  prompt's positions through the cache, so the loss and its gradient equal the padded layout's up to
+  float rounding, while a group of ``g`` samples computes its prompt once instead of ``g`` times.
+  Micro-batches come from :func:`plan_shared_prefix` (whole groups where they fit the budget).
+
+:func:`plan_micro_batches` picks the layout for a mini-batch from the tokens each would process.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from runtime.models.logprobs import positions_from_mask
+from runtime.samples import Sample
+
+# The shared-prefix layout runs two forwards per micro-batch; below this saving in processed tokens the
+# second forward's fixed cost (mask construction, module dispatch, the cache expansion) eats the gain.
+SHARED_PREFIX_MIN_SAVING = 0.2
+# A continuation forward's fixed cost in padded tokens, for splitting a batch's continuations by length.
+TIER_OVERHEAD_TOKENS = 128
+
+Forward = Callable[..., Any]
+
+
+# --------------------------------------------------------------------------- padded layout
+
+
+def make_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most ``token_budget`` padded tokens.
+
+    Sequences are sorted by length (longest first, ties by index) and packed
+    greedily: a micro-batch of ``b`` sequences whose longest has ``L`` tokens
+    costs ``b * L``. A sequence longer than the budget gets a micro-batch of
+    its own. Deterministic for a given input.
+    """
+    if token_budget < 1:
+        raise ValueError("trainer.micro_batch_tokens must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        new_longest = max(longest, lengths[i])
+        if current and (len(current) + 1) * new_longest > token_budget:
+            batches.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def padded_tokens(lengths: list[int], batches: list[list[int]]) -> int:
+    """Tokens the forward passes of ``batches`` process, padding included."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
+
+
+def padding_ratio(lengths: list[int], batches: list[list[int]]) -> float:
+    """Padding tokens / all processed tokens of ``batches`` (0 when nothing is processed)."""
+    total = padded_tokens(lengths, batches)
+    return 0.0 if total == 0 else 1.0 - sum(lengths[i] for b in batches for i in b) / total
+
+
+@dataclass
+class ResponseLayout:
+    """Where the response tokens of a micro-batch's samples sit in a ``[B, W]`` grid."""
+
+    indices: list[int]  # positions in the caller's sample list, one per row
+    rows: Tensor  # [n] row of each response token (sample order, then token order)
+    cols: Tensor  # [n] its column
+    mask: Tensor  # [B, W] float, 1 at response tokens
+    lengths: list[int]  # response length per row
+
+    def scatter(self, per_sample: list[Tensor]) -> Tensor:
+        """Per-sample 1-D response tensors -> ``[B, W]`` (0 elsewhere)."""
+        out = torch.zeros(self.mask.shape, dtype=torch.float32, device=self.mask.device)
+        if self.rows.numel():
+            out[self.rows, self.cols] = torch.cat([per_sample[i] for i in self.indices]).to(out.device, torch.float32)
+        return out
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """A flat ``[n]`` tensor in response-token order -> one 1-D tensor per row."""
+        return list(torch.split(flat, self.lengths))
+
+
+@dataclass
+class PaddedBatch(ResponseLayout):
+    """Right-padded prompt + response rows; the grid is the ``[B, L-1]`` next-token layout."""
+
+    input_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [B, L]
+    attention_mask: Tensor = field(default_factory=lambda: torch.empty(0))  # [B, L]
+    position_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [B, L]
+
+    def logits_and_targets(self, forward: Forward, prefix_forward: Forward | None = None) -> tuple[Tensor, Tensor]:
+        """The logits predicting each response token ``[n, V]`` and the tokens ``[n]`` (one forward)."""
+        logits = forward(
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            position_ids=self.position_ids,
+            use_cache=False,
+        ).logits
+        return logits[self.rows, self.cols], self.input_ids[self.rows, self.cols + 1]
+
+
+def collate_padded(samples: list[Sample], indices: list[int], pad_id: int, device: torch.device) -> PaddedBatch:
+    seqs = [samples[i].prompt_ids + samples[i].response_ids for i in indices]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    rows: list[int] = []
+    cols: list[int] = []
+    lengths: list[int] = []
+    for r, (i, seq) in enumerate(zip(indices, seqs, strict=True)):
+        input_ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[r, : len(seq)] = 1
+        p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
+        # Response token at sequence position p + j is predicted at column p + j - 1.
+        rows.extend([r] * n)
+        cols.extend(range(p - 1, p - 1 + n))
+        lengths.append(n)
+    mask = torch.zeros((len(seqs), max(width - 1, 1)), dtype=torch.float32)
+    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+    if rows:
+        mask[rows_t, cols_t] = 1.0
+    return PaddedBatch(
+        indices=indices,
+        rows=rows_t.to(device),
+        cols=cols_t.to(device),
+        mask=mask.to(device),
+        lengths=lengths,
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=positions_from_mask(attention_mask).to(device),
+    )
+
+
+# --------------------------------------------------------------------------- shared-prefix layout
+
+
+def prompt_units(samples: list[Sample], indices: list[int]) -> list[list[int]]:
+    """``indices`` grouped by identical prompt ids, groups in order of first appearance."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        units.setdefault(tuple(samples[i].prompt_ids), []).append(i)
+    return list(units.values())
+
+
+def _continuation(samples: list[Sample], i: int) -> int:
+    """Tokens sample ``i`` feeds after its prompt: its response but the last (whose successor is not scored)."""
+    return max(len(samples[i].response_ids) - 1, 0)
+
+
+def continuation_tiers(conts: list[int]) -> list[tuple[int, int]]:
+    """Row ranges ``[start, end)`` of continuation lengths ``conts`` (sorted longest first), each run as one
+    forward padded to its first row's length.
+
+    A new tier starts where capping every remaining row at its length saves more than
+    ``TIER_OVERHEAD_TOKENS`` padded tokens, one more forward's fixed cost: a few long answers no longer
+    pad every short one to their length.
+    """
+    tiers: list[tuple[int, int]] = []
+    start = 0
+    for r, c in enumerate(conts):
+        if r > start and (conts[start] - c) * (len(conts) - r) > TIER_OVERHEAD_TOKENS:
+            tiers.append((start, r))
+            start = r
+    if conts:
+        tiers.append((start, len(conts)))
+    return tiers
+
+
+def _rows_longest_first(samples: list[Sample], units: list[list[int]]) -> list[tuple[int, int]]:
+    """(sample index, unit) of every row, longest continuation first (ties: unit, then sample)."""
+    rows = [(i, u) for u, unit in enumerate(units) for i in unit]
+    return sorted(rows, key=lambda row: (-_continuation(samples, row[0]), row[1], row[0]))
+
+
+def shared_prefix_cost(samples: list[Sample], units: list[list[int]]) -> int:
+    """Tokens one shared-prefix micro-batch of ``units`` processes, padding included."""
+    conts = [_continuation(samples, i) for i, _ in _rows_longest_first(samples, units)]
+    prompt = max(len(samples[u[0]].prompt_ids) for u in units)
+    return len(units) * prompt + sum((end - start) * conts[start] for start, end in continuation_tiers(conts))
+
+
+def plan_shared_prefix(samples: list[Sample], indices: list[int], token_budget: int) -> list[list[list[int]]]:
+    """Micro-batches of prompt units (each a list of sample indices sharing one prompt) within ``token_budget``.
+
+    A group too large for the budget is cut into units that fit (each re-runs its prompt). Units are
+    ordered by continuation length (longest first), then packed greedily. Deterministic.
+    """
+    if token_budget < 1:
+        raise ValueError("trainer.micro_batch_tokens must be >= 1")
+    units: list[list[int]] = []
+    for group in prompt_units(samples, indices):
+        group = sorted(group, key=lambda i: (-_continuation(samples, i), i))
+        unit: list[int] = []
+        for i in group:
+            if unit and shared_prefix_cost(samples, [unit + [i]]) > token_budget:
+                units.append(unit)
+                unit = []
+            unit.append(i)
+        units.append(unit)
+    units.sort(key=lambda u: (-max(_continuation(samples, i) for i in u), -len(samples[u[0]].prompt_ids), u[0]))
+    batches: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    for unit in units:
+        if current and shared_prefix_cost(samples, current + [unit]) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(unit)
+    if current:
+        batches.append(current)
+    return batches
+
+
+_FORWARD_KEYWORDS: dict[type, frozenset[str]] = {}
+
+
+def _forward_keywords(forward: Forward) -> frozenset[str]:
+    """The keyword arguments the model behind ``forward`` takes (a module, or ParallelModel.forward)."""
+    owner = forward if isinstance(forward, torch.nn.Module) else getattr(forward, "__self__", None)
+    module = getattr(owner, "module", owner)
+    if not isinstance(module, torch.nn.Module):
+        return frozenset()
+    kind = type(module)
+    if kind not in _FORWARD_KEYWORDS:
+        _FORWARD_KEYWORDS[kind] = frozenset(inspect.signature(module.forward).parameters)
+    return _FORWARD_KEYWORDS[kind]
+
+
+@dataclass
+class ContinuationTier:
+    """Rows ``[start, end)`` of a shared-prefix batch continued by one forward, padded to ``C`` tokens."""
+
+    start: int
+    end: int
+    units: Tensor  # [b] unit of each row: which prompt's cache it continues
+    input_ids: Tensor  # [b, C] the responses but their last token
+    attention_mask: Tensor  # [b, P + C]: the unit's prompt (P = the batch's prompt width), then these
+    position_ids: Tensor  # [b, C]
+
+
+@dataclass
+class SharedPrefixBatch(ResponseLayout):
+    """Prompt units run once, their responses continued from the expanded cache; the grid is ``[B, R]``
+    (column ``j`` = response token ``j``), rows longest continuation first."""
+
+    prefix_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [U, P] right-padded prompts
+    prefix_mask: Tensor = field(default_factory=lambda: torch.empty(0))  # [U, P]
+    prefix_last: Tensor = field(default_factory=lambda: torch.empty(0))  # [U] column of each prompt's last token
+    tiers: list[ContinuationTier] = field(default_factory=list)  # those with at least one column
+    pick: Tensor = field(default_factory=lambda: torch.empty(0))  # [n] row of [first; each tier's] logits
+    targets: Tensor = field(default_factory=lambda: torch.empty(0))  # [n]
+
+    def logits_and_targets(self, forward: Forward, prefix_forward: Forward | None = None) -> tuple[Tensor, Tensor]:
+        """The logits predicting each response token ``[n, V]`` and the tokens ``[n]``.
+
+        Every forward but the last runs through ``prefix_forward`` (with ddp: the module itself, so that only
+        the micro-batch's last forward goes through the wrapper that reduces gradients).
+        """
+        passes = 1 + len(self.tiers)
+        forwards = [prefix_forward or forward] * (passes - 1) + [forward]
+        kwargs: dict[str, Any] = {}
+        last_columns = torch.unique(self.prefix_last)
+        if "logits_to_keep" in _forward_keywords(forwards[0]):  # the lm head only where a first token is predicted
+            kwargs["logits_to_keep"] = last_columns
+        else:
+            last_columns = torch.arange(self.prefix_ids.shape[1], device=self.prefix_ids.device)
+        out = forwards[0](
+            input_ids=self.prefix_ids,
+            attention_mask=self.prefix_mask,
+            position_ids=positions_from_mask(self.prefix_mask),
+            use_cache=bool(self.tiers),
+            **kwargs,
+        )
+        kept = torch.searchsorted(last_columns, self.prefix_last)
+        logits = [out.logits[torch.arange(len(kept), device=kept.device), kept]]  # [U, V]
+        if self.tiers:
+            cache = getattr(out, "cache", None) or out.past_key_values  # transformers 5 / 4
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            # transformers 5 renamed `past_key_values` to `cache`; pass whichever the model takes.
+            cache_kw = "cache" if "cache" in _forward_keywords(forward) else "past_key_values"
+            for tier, tier_forward in zip(self.tiers, forwards[1:], strict=True):
+                # Indexing keeps the graph: gradients flow back into the prompt's positions.
+                expanded = type(cache)(ddp_cache_data=[(k[tier.units], v[tier.units]) for k, v in layers])
+                tier_logits = tier_forward(
+                    input_ids=tier.input_ids,
+                    attention_mask=tier.attention_mask,
+                    position_ids=tier.position_ids,
+                    use_cache=False,
+                    **{cache_kw: expanded},
+                ).logits
+                logits.append(tier_logits.reshape(-1, tier_logits.shape[-1]))
+        return torch.cat(logits)[self.pick], self.targets
+
+
+def collate_shared_prefix(
+    samples: list[Sample], units: list[list[int]], pad_id: int, device: torch.device
+) -> SharedPrefixBatch:
+    prompts = [samples[u[0]].prompt_ids for u in units]
+    width = max(len(p) for p in prompts)
+    prefix_ids = torch.full((len(units), width), pad_id, dtype=torch.long)
+    prefix_mask = torch.zeros((len(units), width), dtype=torch.long)
+    for u, prompt in enumerate(prompts):
+        prefix_ids[u, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        prefix_mask[u, : len(prompt)] = 1
+    order = _rows_longest_first(samples, units)
+    conts = [_continuation(samples, i) for i, _ in order]
+    tiers: list[ContinuationTier] = []
+    pick: list[int] = []
+    offset = len(units)  # rows of the concatenated logits before the current tier's
+    for start, end in continuation_tiers(conts):
+        cont = conts[start]
+        if cont == 0:  # every row of the tier has a one-token response: the prompt's logits are all it needs
+            pick.extend(u for i, u in order[start:end] if samples[i].response_ids)
+            continue
+        input_ids = torch.full((end - start, cont), pad_id, dtype=torch.long)
+        mask = torch.zeros((end - start, width + cont), dtype=torch.long)
+        positions = torch.zeros((end - start, cont), dtype=torch.long)
+        for t, (i, u) in enumerate(order[start:end]):
+            p, c = len(prompts[u]), conts[start + t]
+            input_ids[t, :c] = torch.tensor(samples[i].response_ids[:c], dtype=torch.long)
+            mask[t, :p] = 1
+            mask[t, width : width + c] = 1
+            positions[t] = torch.arange(p, p + cont)  # padding columns continue the count: never attended
+            n = len(samples[i].response_ids)
+            # Token 0 is predicted by the prompt's last position, token j >= 1 by this tier's column j - 1.
+            pick.extend([u] + [offset + t * cont + j - 1 for j in range(1, n)] if n else [])
+        tiers.append(
+            ContinuationTier(
+                start,
+                end,
+                torch.tensor([u for _, u in order[start:end]], dtype=torch.long, device=device),
+                input_ids.to(device),
+                mask.to(device),
+                positions.to(device),
+            )
+        )
+        offset += (end - start) * cont
+    indices = [i for i, _ in order]
+    lengths = [len(samples[i].response_ids) for i in indices]
+    rows = [r for r, n in enumerate(lengths) for _ in range(n)]
+    cols = [j for n in lengths for j in range(n)]
+    mask = torch.zeros((len(indices), max(max(lengths, default=0), 1)), dtype=torch.float32)
+    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+    if rows:
+        mask[rows_t, cols_t] = 1.0
+    return SharedPrefixBatch(
+        indices=indices,
+        rows=rows_t.to(device),
+        cols=cols_t.to(device),
+        mask=mask.to(device),
+        lengths=lengths,
+        prefix_ids=prefix_ids.to(device),
+        prefix_mask=prefix_mask.to(device),
+        prefix_last=torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device),
+        tiers=tiers,
+        pick=torch.tensor(pick, dtype=torch.long, device=device),
+        targets=torch.tensor([t for i in indices for t in samples[i].response_ids], dtype=torch.long, device=device),
+    )
+
+
+# --------------------------------------------------------------------------- choosing the layout
+
+
+@dataclass
+class MicroBatchPlan:
+    """A mini-batch's micro-batches in one layout, and the tokens they process (padding included) and
+    of those, the real ones."""
+
+    shared_prefix: bool
+    batches: list[Any]  # padded: lists of sample indices; shared: lists of prompt units
+    processed_tokens: int
+    real_tokens: int
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def collate(self, k: int, samples: list[Sample], pad_id: int, device: torch.device) -> ResponseLayout:
+        if self.shared_prefix:
+            return collate_shared_prefix(samples, self.batches[k], pad_id, device)
+        return collate_padded(samples, self.batches[k], pad_id, device)
+
+
+def plan_micro_batches(
+    samples: list[Sample], indices: list[int], token_budget: int, allow_shared_prefix: bool
+) -> MicroBatchPlan:
+    """The layout processing fewer tokens for ``indices``: shared-prefix when allowed and it saves at
+    least ``SHARED_PREFIX_MIN_SAVING`` of the padded layout's tokens, else padded."""
+    lengths = [samples[i].num_tokens for i in indices]
+    local = make_micro_batches(lengths, token_budget)
+    padded = MicroBatchPlan(
+        False, [[indices[j] for j in b] for b in local], padded_tokens(lengths, local), sum(lengths)
+    )
+    if not allow_shared_prefix or not indices:
+        return padded
+    shared = plan_shared_prefix(samples, indices, token_budget)
+    processed = sum(shared_prefix_cost(samples, b) for b in shared)
+    if processed > (1.0 - SHARED_PREFIX_MIN_SAVING) * padded.processed_tokens:
+        return padded
+    real = sum(len(samples[u[0]].prompt_ids) + sum(_continuation(samples, i) for i in u) for b in shared for u in b)
+    return MicroBatchPlan(True, shared, processed, real)
