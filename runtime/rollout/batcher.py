@@ -4,8 +4,9 @@ sequence finishes, so one long sample no longer holds a whole batch.
 One :meth:`ContinuousBatcher.step` is one engine step: it takes any staged weight update (so
 in-flight sequences continue under the new weights — their earlier tokens' KV entries stay as
 computed, nothing is thrown away), decodes one token for every live sequence, then admits waiting
-requests into free slots (prefilled together, right-padded) and samples their first token. Every token
-records the weight version current at its step.
+requests into free slots (prefilled together; a prompt repeated within the admitted requests — a GRPO
+group's — is prefilled once and its cache copied to the other slots) and samples their first token.
+Every token records the weight version current at its step.
 
 Admission keeps the live tokens under the engine's ``max_batch_tokens`` (each request reserves its
 prompt plus its ``max_new_tokens``; one request, or group, is always admitted into an empty batcher) and the
@@ -268,16 +269,34 @@ class ContinuousBatcher:
         else:
             engine.runner.grow(width)
         slots = [r for r, _, _ in taken]
-        prompts = [ids for _, _, ids in taken]
-        logits, computed = engine.runner.prefill(prompts, slots, engine.tokenizer.pad_id)
+        logits, real, computed = self._prefill(slots, [ids for _, _, ids in taken])
         for r, s, _ in taken:
             self.slots[r] = s
             self.admitted.append(s.tag)
         if not self.refill:
             self._static_rows = max(slots) + 1
-        plen = sum(map(len, prompts))
-        self._count(plen, computed, len(prompts))
+        self._count(real, computed, len(taken))
         self._record(slots, logits, finished)
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, int, int]:
+        """Prefill each distinct prompt once, copy its cache to the slots that repeat it; returns every
+        slot's next-token logits, the prompt tokens computed and the positions computed (padding included)."""
+        seen: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
+        which: list[int] = []  # each request's distinct prompt
+        distinct: list[int] = []  # the request that first has each distinct prompt
+        for j, ids in enumerate(prompts):
+            u = seen.setdefault(tuple(ids), len(seen))
+            if u == len(distinct):
+                distinct.append(j)
+            which.append(u)
+        engine = self.engine
+        pad = engine.tokenizer.pad_id
+        logits, computed = engine.runner.prefill([prompts[j] for j in distinct], [slots[j] for j in distinct], pad)
+        for u, j in enumerate(distinct):
+            copies = [slots[k] for k, v in enumerate(which) if v == u and k != j]
+            if copies:
+                engine.runner.share_prefix(slots[j], copies, len(prompts[j]))
+        return logits[torch.tensor(which, device=logits.device)], sum(len(prompts[j]) for j in distinct), computed
 
     def _record(self, rows: list[int], logits: torch.Tensor, finished: list[tuple[Any, Completion]]) -> None:
         """Sample one token per row of ``logits`` (the slots ``rows``), append it, retire finished rows."""

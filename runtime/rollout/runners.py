@@ -12,6 +12,8 @@ share one interface:
 - ``decode(tokens [b], cols [b])`` writes token ``r`` at column ``cols[r]`` of slot ``r`` for slots
   ``0..b-1`` and returns next-token logits ``[b, V]``; a slot attends to columns ``<= cols[r]``.
 - ``move(src, dst)`` copies a slot's cache to another slot (compaction).
+- ``share_prefix(src, dsts, length)`` copies columns [0, length) of slot ``src``'s cache into slots
+  ``dsts``: a prompt prefilled once serves every request of a group that repeats it.
 
 :class:`FastRunner`, for Llama-family models (``llama``, ``qwen2``), uses the same parameters and math
 as the model's modules (RMSNorm, rotary tables from the model's own module, q/k/v/o, gated MLP,
@@ -25,6 +27,7 @@ with one transformers DynamicCache per slot (slower, always correct).
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -189,6 +192,13 @@ class FastRunner:
         for caches in (self.k_cache, self.v_cache):
             for c in caches:
                 c[dst].copy_(c[src])
+
+    def share_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy columns [0, length) of slot ``src``'s cache into every slot of ``dsts``."""
+        rows = torch.tensor(dsts, device=self.k_cache[0].device)
+        for caches in (self.k_cache, self.v_cache):
+            for c in caches:
+                c[rows, :, :length] = c[src, :, :length]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
         """Hidden states after the last layer for ``ids [B, T]``; ``attend(i, q, k, v)`` stores k/v, returns o."""
@@ -364,6 +374,10 @@ class HFRunner:
 
     def move(self, src: int, dst: int) -> None:
         self.caches[dst], self.caches[src] = self.caches[src], None
+
+    def share_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        for dst in dsts:  # a slot holds exactly its prompt after prefill: the whole cache is the prefix
+            self.caches[dst] = copy.deepcopy(self.caches[src])
 
     def _run(self, slot: int, ids: list[int], start: int) -> torch.Tensor:
         ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)

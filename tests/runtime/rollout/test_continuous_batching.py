@@ -70,12 +70,13 @@ def test_sampled_generation_is_reproducible_with_refill(policy):
 
 
 def _padding_case(policy, refill):
-    """Three prompts of 3 tokens with response limits 2, 5 and 3 on two slots, eos ignored."""
+    """Three distinct prompts of 3 tokens (a repeated one is prefilled once) with response limits 2, 5
+    and 3 on two slots, eos ignored."""
     model, tok = policy
     engine = Engine(model, tok, "cpu", max_batch_size=2)
     batcher = engine.batcher(SamplingParams(5, temperature=0, ignore_eos=True), refill=refill)
-    for tag, limit in (("a", 2), ("b", 5), ("c", 3)):
-        batcher.submit([1, 5, 6], tag, max_new_tokens=limit)
+    for tag, limit, last in (("a", 2, 6), ("b", 5, 7), ("c", 3, 8)):
+        batcher.submit([1, 5, last], tag, max_new_tokens=limit)
     order = []
     while not batcher.idle:
         step = batcher.stats.steps + 1
@@ -306,3 +307,36 @@ def test_bad_requests_are_rejected_at_submit(policy):
     with pytest.raises(ValueError, match="max_new_tokens must be in"):
         batcher.submit([1, 5], max_new_tokens=5)
     assert batcher.idle and batcher.num_waiting == 0
+
+
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+def test_a_groups_prompt_is_prefilled_once_and_its_copies_decode_as_if_alone(policy, runner):
+    model, tok = policy
+    params = SamplingParams(12, temperature=0, ignore_eos=True)
+    group, other = ids_of(tok)[3], ids_of(tok)[6]
+    alone = {tuple(p): Engine(model, tok, "cpu").generate([p], params)[0] for p in (group, other)}
+    engine = Engine(model, tok, "cpu", max_batch_size=8)
+    if runner == "hf":
+        engine.runner = HFRunner(model)
+    batcher = engine.batcher(params)
+    batcher.submit_group([(group, ("g", j)) for j in range(4)])
+    batcher.submit_group([(other, ("o", j)) for j in range(2)])
+    done = {}
+    while not batcher.idle:
+        done.update(batcher.step())
+    assert len(done) == 6
+    for (kind, _), completion in done.items():
+        expected = alone[tuple(group if kind == "g" else other)]
+        assert completion.token_ids == expected.token_ids
+        assert completion.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    # One prefill per distinct prompt: the prompt tokens computed are 1x each, not 4x and 2x.
+    prefill_tokens = len(group) + len(other)
+    decode_tokens = 6 * (12 - 1)
+    assert batcher.stats.real_tokens == prefill_tokens + decode_tokens
+
+
+def test_sampled_copies_of_one_prompt_still_differ(policy):
+    model, tok = policy
+    engine = Engine(model, tok, "cpu", max_batch_size=8)
+    out = engine.generate([ids_of(tok)[3]], SamplingParams(10, temperature=1.0, n=8), torch.Generator().manual_seed(1))
+    assert len({tuple(c.token_ids) for c in out}) > 1
