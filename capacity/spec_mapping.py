@@ -85,6 +85,7 @@ THROUGH_INPUTS: dict[str, str] = {
     "model.reference": _COSTS + ": the reference forward is part of the per-token training cost",
     "algorithm.name": _COSTS + ": a critic (ppo) is part of the per-token training cost",
     "algorithm.off_policy": _COSTS + ": the proximal forward is part of the per-token training cost",
+    "algorithm.proximal_logprobs": _COSTS + ": the proximal forward it skips is part of the per-token training cost",
     "trainer.micro_batch_tokens": _COSTS,
     "rollout.engine": _COSTS,
     "rollout.gpu_memory_utilization": _COSTS + ": the KV cache vLLM may hold bounds the engine's batch",

@@ -251,6 +251,12 @@ class AlgorithmSpec(_Section):
         description="Correction for stale samples: decoupled (proximal policy) or truncated importance weights.",
     )
     is_cap: Float = Field(2.0, gt=0, le=1000, description="Cap on the behaviour-to-proximal importance weight.")
+    proximal_logprobs: Literal["recompute", "behaviour"] = Field(
+        "recompute",
+        description="With trainer.updates_per_step > 1: recompute the proximal log-probs (one no-grad forward "
+        "per step) or, for samples made wholly by the current weights, take the engine's (no forward; off by "
+        "the engine-trainer gap that consistency/* reports).",
+    )
     gamma: Float = Field(1.0, ge=0, le=1, description="PPO discount.")
     lam: Float = Field(0.95, ge=0, le=1, description="PPO GAE lambda.")
     value_clip: Float = Field(0.2, gt=0, le=100, description="PPO value-function clip range.")
@@ -976,6 +982,10 @@ def _dqn_agent(spec: RunSpec) -> bool:
     return spec.agent.algorithm == "dqn"
 
 
+def _several_updates_with_a_proximal_policy(spec: RunSpec) -> bool:
+    return spec.trainer.updates_per_step > 1 and spec.algorithm.off_policy != "truncated"
+
+
 ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
     **{f"agent.{name}": (_ppo_agent, "agent.algorithm ppo") for name in _PPO_AGENT_FIELDS},
     **{f"agent.{name}": (_dqn_agent, "agent.algorithm dqn") for name in _DQN_AGENT_FIELDS},
@@ -984,6 +994,11 @@ ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
     "algorithm.value_clip": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
     "algorithm.vf_coef": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
     "trainer.critic_lr": (_gae_or_plugin, "algorithm.name ppo (a critic)"),
+    "algorithm.proximal_logprobs": (
+        _several_updates_with_a_proximal_policy,
+        "trainer.updates_per_step > 1 and algorithm.off_policy none or decoupled (with one update the training "
+        "forward's own log-probs are the proximal ones, at no cost; truncated uses no proximal policy)",
+    ),
     "algorithm.normalize_adv_std": (_group_normalised_or_plugin, "algorithm.name grpo (group-relative advantages)"),
     "task.train_size": (_builtin_task, "a built-in task (a jsonl or dataset task trains on every row of task.path)"),
     "task.min_len": (_builtin_task, "a built-in task"),

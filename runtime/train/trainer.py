@@ -202,13 +202,19 @@ class Trainer:
 
         token_advantages = self._advantages(samples)
         need_proximal = cfg.off_policy != "truncated" and tcfg.updates_per_step > 1
-        pre = self._score_pass(samples, proximal=need_proximal)
-        if need_proximal:
-            self._consistency(samples, pre["proximal"], stats)
+        reuse = need_proximal and cfg.proximal_logprobs == "behaviour"
+        if reuse:
+            pre = self._proximal_from_behaviour(samples)
+        else:
+            pre = self._score_pass(samples, proximal=need_proximal)
+            if need_proximal:
+                self._consistency(samples, pre["proximal"], stats)
 
         minis = self._mini_batches(len(samples), step)
-        for mini in minis:
-            self._update(samples, mini, token_advantages, pre, stats, step)
+        for k, mini in enumerate(minis):
+            # Reusing the engine's log-probs, the gap is measured in the first update's forwards instead
+            # (the weights are still the ones that made the fresh samples).
+            self._update(samples, mini, token_advantages, pre, stats, step, measure_consistency=reuse and k == 0)
         self.version += 1
 
         out = stats.finish(self.group, self.world)
@@ -465,12 +471,28 @@ class Trainer:
         self._old_values = old_values
         return [adv[i, : len(s.response_ids)].clone() for i, s in enumerate(samples)]
 
+    def _proximal_from_behaviour(self, samples: list[Sample]) -> dict[str, list]:
+        """``algorithm.proximal_logprobs: behaviour``: samples made wholly by the current weights take the
+        engine's log-probs as proximal ones; only the others (stale, or spanning a weight update) are scored.
+        Every rank runs both passes (with fsdp they are collectives), with or without samples to score."""
+        pre = self._score_pass(samples)  # the reference's log-probs, where a KL term needs them
+        stale = [i for i, s in enumerate(samples) if not s.versions or min(s.versions) != self.version]
+        scored = self._score_pass([samples[i] for i in stale], proximal=True, ref=False)["proximal"]
+        proximal = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
+        for i, values in zip(stale, scored, strict=True):
+            proximal[i] = values
+        pre["proximal"] = proximal
+        return pre
+
     @torch.no_grad()
-    def _score_pass(self, samples: list[Sample], proximal: bool = False, values: bool = False) -> dict[str, list]:
-        """No-grad per-sample tensors: proximal log-probs, reference log-probs, critic values."""
-        want_ref = self.ref_policy is not None and not values
+    def _score_pass(
+        self, samples: list[Sample], proximal: bool = False, values: bool = False, ref: bool = True
+    ) -> dict[str, list]:
+        """No-grad per-sample tensors: proximal log-probs, reference log-probs, critic values. Runs (and with
+        fsdp joins the other ranks' collectives) even without samples."""
+        want_ref = ref and self.ref_policy is not None and not values
         out: dict[str, list] = {}
-        if not (proximal or want_ref or values) or not samples:
+        if not (proximal or want_ref or values):
             return out
         keys = [k for k, on in (("proximal", proximal), ("ref", want_ref), ("old_values", values)) if on]
         for k in keys:
@@ -552,8 +574,10 @@ class Trainer:
         pre: dict[str, list],
         stats: _Stats,
         step: int,
+        measure_consistency: bool = False,
     ) -> None:
-        """One optimizer update on the mini-batch ``mini`` (indices into ``samples``), all ranks together."""
+        """One optimizer update on the mini-batch ``mini`` (indices into ``samples``), all ranks together;
+        ``measure_consistency``: compare its forwards' log-probs with the engine's on fresh samples."""
         resp = [len(samples[i].response_ids) for i in mini]
         counts = torch.tensor([float(sum(resp)), float(sum(1 for r in resp if r > 0))], dtype=torch.float64)
         if self.group is not None:
@@ -575,7 +599,7 @@ class Trainer:
                 if k < len(plan):
                     mb = plan.collate(k, samples, self.pad_id, self.device)
                     loss, vloss = self._micro_step(
-                        samples, mb, advantages, pre, behaviour, (num_tokens, num_seqs), stats
+                        samples, mb, advantages, pre, behaviour, (num_tokens, num_seqs), stats, measure_consistency
                     )
                     loss_total += loss
                     vloss_total += vloss
@@ -621,6 +645,7 @@ class Trainer:
         behaviour: list[Tensor],
         counts: tuple[float, float],
         stats: _Stats,
+        measure_consistency: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Forward and backward of one micro-batch (rows ``mb.indices`` of ``samples``); returns its policy
         and value losses (float64, detached)."""
@@ -649,6 +674,9 @@ class Trainer:
             self._consistency([samples[i] for i in mb.indices], proximal_list, stats)
         else:
             old = mb.scatter(pre["proximal"])
+            if measure_consistency:
+                trained = mb.split(logp_flat.detach().float().cpu())
+                self._consistency([samples[i] for i in mb.indices], trained, stats)
         weights = importance_weights(old, behav, cfg.is_cap) * mb.mask if cfg.off_policy == "decoupled" else None
         batch = PolicyBatch(
             logprobs=logp,

@@ -106,6 +106,7 @@ WITH = {
     "algorithm.vf_coef": (1.0, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
     "trainer.critic_lr": (3e-4, {"algorithm": {"name": "ppo"}}, {"algorithm": {"name": "grpo"}}),
     "algorithm.normalize_adv_std": (False, {"algorithm": {"name": "grpo"}}, {"algorithm": {"name": "ppo"}}),
+    "algorithm.proximal_logprobs": ("behaviour", {"trainer": {"updates_per_step": 2}}, {}),
     "task.train_size": (128, {"task": {"name": "copy"}}, {"task": JSONL}),
     "task.min_len": (2, {"task": {"name": "copy"}}, {"task": JSONL}),
     "task.max_len": (4, {"task": {"name": "copy"}}, {"task": JSONL}),
