@@ -10,12 +10,13 @@ script; the runs are interleaved in rounds: TRL, Tandem sync, Tandem async, Tand
 
 Figures per run: samples/s and generated tokens/s over the budget (process start to the end of the
 last step), steady-state samples/s (end of the first step to the end of the last), start-up (process
-start to the end of the first step), peak memory of the process tree (sum of the RSS of the process
-and its descendants, sampled every 0.2 s; shared pages count once per process), the training
-accuracy per step, the time until the training accuracy (mean of the last 10 steps) first reaches
-``--threshold`` (a proxy: held-out accuracy during training would cost evaluations inside the
-budget), and the held-out greedy and sampled (temperature 1, 4 per prompt) accuracy of every final
-model, all scored afterwards by the project's evaluator (``runtime.evaluation.evaluator.evaluate``).
+start to the end of the first step), peak memory of the process tree (sampled every 0.2 s: the summed
+RSS, which counts a shared page once per process, and the summed PSS, which divides it among its
+sharers — the memory the tree really holds), the training accuracy per step, the time until the
+training accuracy (mean of the last 10 steps) first reaches ``--threshold`` (a proxy: held-out
+accuracy during training would cost evaluations inside the budget), and the held-out greedy and
+sampled (temperature 1, 4 per prompt) accuracy of every final model, all scored afterwards by the
+project's evaluator (``runtime.evaluation.evaluator.evaluate``).
 
 Workloads:
 
@@ -42,6 +43,7 @@ Usage (the script runs under that venv; it imports both ``runtime`` and ``trl``)
     /work/trl-venv/bin/python bench/peer_trl.py --quick   # one round of train-heavy, 2 steps a run (37 s at load 1.7, 77 s at load 6)
     /work/trl-venv/bin/python bench/peer_trl.py --budget 180 --rounds 2
     /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --budget 90 --rounds 2   # recorded
+    /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --busy 1 --no-trl-defaults  # a competitor
 
 The last line printed is one JSON object with every figure and the ratios vs TRL.
 """
@@ -71,6 +73,8 @@ GROUP_SIZE = 8
 SAMPLES_PER_STEP = PROMPTS_PER_STEP * GROUP_SIZE
 LR = 1e-4
 CLIP = 0.2
+# --busy: one CPU-bound process competing for the cores, as other work on a shared machine would.
+BUSY_LOOP = "while True: pass"
 MIN_STEPS = 2  # runs go on past the budget until the steady-state figure (steps after the first) exists
 STEADY_WINDOW = 10  # steps averaged for the training-accuracy threshold
 
@@ -292,37 +296,48 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def tree_rss_bytes(root: int) -> int:
-    """Sum of the resident set sizes of ``root`` and its descendants (Linux /proc)."""
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size: private pages plus each shared page divided among its sharers."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def tree_memory_bytes(root: int) -> tuple[int, int]:
+    """Summed RSS and summed PSS of ``root`` and its descendants (Linux /proc). RSS counts a page shared
+    by several processes (libraries, a fork server's copy-on-write pages) once per process; PSS once."""
     page = os.sysconf("SC_PAGE_SIZE")
-    total, frontier = 0, [root]
+    rss, pss, frontier = 0, 0, [root]
     while frontier:
         pid = frontier.pop()
         try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-        except (OSError, IndexError):
+            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+            pss += _pss_bytes(pid)
+        except (OSError, IndexError, ValueError):
             continue
         frontier += _children(pid)
-    return total
+    return rss, pss
 
 
-class PeakRss:
-    """Samples a process tree's summed RSS every ``interval`` seconds on a thread; ``peak`` is the largest seen."""
+class PeakMemory:
+    """Samples a process tree's summed RSS and PSS every ``interval`` seconds on a thread; keeps the peaks."""
 
     def __init__(self, pid: int, interval: float = 0.2):
-        self.pid, self.interval, self.peak = pid, interval, 0
+        self.pid, self.interval, self.peak_rss, self.peak_pss = pid, interval, 0, 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._done.wait(self.interval):
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            rss, pss = tree_memory_bytes(self.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._done.set()
         self._thread.join()
-        return self.peak
+        return self.peak_rss, self.peak_pss
 
 
 def launch(system: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -342,14 +357,18 @@ def launch(system: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
             env=env,
             cwd=ROOT,
         )
-        sampler = PeakRss(child.pid)
+        sampler = PeakMemory(child.pid)
         rc = child.wait()
-        peak = sampler.stop()
+        peak_rss, peak_pss = sampler.stop()
     if rc != 0:
         tail = log_path.read_text()[-3000:]
         raise SystemExit(f"{system} failed (exit {rc}); last lines of {log_path}:\n{tail}")
     record = json.loads(out_path.read_text())
-    record.update(peak_rss_mib=peak / 2**20, loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)])
+    record.update(
+        peak_rss_mib=peak_rss / 2**20,
+        peak_pss_mib=peak_pss / 2**20,
+        loadavg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+    )
     return record
 
 
@@ -376,6 +395,7 @@ def figures(record: dict[str, Any], threshold: float) -> dict[str, Any]:
         "train_accuracy_last10": statistics.fmean(window[-STEADY_WINDOW:]),
         "time_to_threshold_s": reached,
         "peak_rss_mib": record["peak_rss_mib"],
+        "peak_pss_mib": record["peak_pss_mib"],
         "loadavg_1m": record["loadavg_1m"],
     }
 
@@ -442,6 +462,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             )
         }
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in rounds)
+        row["peak_pss_mib"] = max(r["peak_pss_mib"] for r in rounds)
         row["heldout_greedy"] = statistics.fmean(greedy)
         row["heldout_greedy_se"] = _se(greedy) or rounds[0]["heldout"]["greedy_se"]
         row["heldout_sampled"] = statistics.fmean(sampled)
@@ -466,7 +487,7 @@ def print_table(name: str, w: Workload, table: dict[str, Any], before: dict[str,
     print(f"\n== {name}: {w.task} sizes {w.min_len}-{w.max_len}, {w.max_new_tokens} new tokens ==")
     print(
         f"{'system':17} {'samples/s':>9} {'vs TRL':>7} {'steady':>7} {'st.vsTRL':>8} {'gen tok/s':>9} {'resp':>5} "
-        f"{'start s':>7} {'import':>6} {'t>thr':>6} {'RSS MiB':>7} {'greedy':>12} {'sampled':>7}"
+        f"{'start s':>7} {'import':>6} {'t>thr':>6} {'RSS MiB':>7} {'PSS MiB':>7} {'greedy':>12} {'sampled':>7}"
     )
     for system, r in table.items():
 
@@ -477,7 +498,7 @@ def print_table(name: str, w: Workload, table: dict[str, Any], before: dict[str,
             f"{system:17} {r['samples_per_s']:9.1f} {fmt(r.get('vs_trl'), '6.2f')}x {fmt(r['steady_samples_per_s'], '7.1f')}"
             f" {fmt(r.get('steady_vs_trl'), '7.2f')}x {r['gen_tokens_per_s']:9.0f} {r['mean_response_tokens']:5.1f}"
             f" {r['startup_s']:7.1f} {r['import_s']:6.1f} {fmt(r['time_to_threshold_s'], '6.0f')}"
-            f" {r['peak_rss_mib']:7.0f} {r['heldout_greedy']:6.3f}±{r['heldout_greedy_se']:.3f}"
+            f" {r['peak_rss_mib']:7.0f} {r['peak_pss_mib']:7.0f} {r['heldout_greedy']:6.3f}±{r['heldout_greedy_se']:.3f}"
             f" {r['heldout_sampled']:7.3f}"
         )
         print(f"{'':17} samples/s by round {r['samples_per_s_by_round']}, vs TRL {r.get('vs_trl_by_round', '-')}")
@@ -514,7 +535,8 @@ def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) ->
             runs[system].append(result)
             print(
                 f"[{name} round {k}] {system:17} {result['steps']:4d} steps, {result['samples_per_s']:6.1f} samples/s, "
-                f"start-up {result['startup_s']:4.1f}s, peak RSS {result['peak_rss_mib']:4.0f} MiB, "
+                f"start-up {result['startup_s']:4.1f}s, peak RSS {result['peak_rss_mib']:4.0f} MiB "
+                f"(PSS {result['peak_pss_mib']:4.0f}), "
                 f"greedy {result['heldout']['greedy']:.3f}, load {result['loadavg_1m']}",
                 flush=True,
             )
@@ -533,6 +555,13 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument(
         "--no-trl-defaults", dest="trl_defaults", action="store_false", help="skip the TRL shipped-defaults round"
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N CPU-bound processes (a pure-Python loop each) beside the benchmark, the whole time",
     )
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "CONFIG", "LAUNCHED", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -569,9 +598,16 @@ def main() -> None:
         "TRL settings changed from its defaults to match Tandem: "
         + ", ".join(f"{k} {d} -> {v}" for k, (d, v) in TRL_MATCHED.items())
     )
-    with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as tmp:
-        for name in args.workloads:
-            summary[name] = run_workload(name, workloads[name], args, Path(tmp) / name)
+    summary["busy_processes"] = args.busy
+    competitors = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.busy)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as tmp:
+            for name in args.workloads:
+                summary[name] = run_workload(name, workloads[name], args, Path(tmp) / name)
+    finally:
+        for proc in competitors:
+            proc.kill()
+            proc.wait()
     summary["loadavg_end"] = loadavg()
     print(f"load average at end: {summary['loadavg_end']}")
     print(json.dumps(summary, default=str))
