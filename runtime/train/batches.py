@@ -118,6 +118,24 @@ class PaddedBatch(ResponseLayout):
         return logits[self.rows, self.cols], self.input_ids[self.rows, self.cols + 1]
 
 
+def _layout(
+    indices: list[int], rows: list[int], cols: list[int], lengths: list[int], width: int, device: torch.device
+) -> dict[str, Any]:
+    """The :class:`ResponseLayout` fields of a ``[len(indices), width]`` grid with response tokens at
+    (``rows``, ``cols``)."""
+    mask = torch.zeros((len(indices), width), dtype=torch.float32)
+    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+    if rows:
+        mask[rows_t, cols_t] = 1.0
+    return {
+        "indices": indices,
+        "rows": rows_t.to(device),
+        "cols": cols_t.to(device),
+        "mask": mask.to(device),
+        "lengths": lengths,
+    }
+
+
 def collate_padded(samples: list[Sample], indices: list[int], pad_id: int, device: torch.device) -> PaddedBatch:
     seqs = [samples[i].prompt_ids + samples[i].response_ids for i in indices]
     width = max(len(s) for s in seqs)
@@ -134,16 +152,8 @@ def collate_padded(samples: list[Sample], indices: list[int], pad_id: int, devic
         rows.extend([r] * n)
         cols.extend(range(p - 1, p - 1 + n))
         lengths.append(n)
-    mask = torch.zeros((len(seqs), max(width - 1, 1)), dtype=torch.float32)
-    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
-    if rows:
-        mask[rows_t, cols_t] = 1.0
     return PaddedBatch(
-        indices=indices,
-        rows=rows_t.to(device),
-        cols=cols_t.to(device),
-        mask=mask.to(device),
-        lengths=lengths,
+        **_layout(indices, rows, cols, lengths, max(width - 1, 1), device),
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         position_ids=positions_from_mask(attention_mask).to(device),
@@ -357,16 +367,8 @@ def collate_shared_prefix(
     lengths = [len(samples[i].response_ids) for i in indices]
     rows = [r for r, n in enumerate(lengths) for _ in range(n)]
     cols = [j for n in lengths for j in range(n)]
-    mask = torch.zeros((len(indices), max(max(lengths, default=0), 1)), dtype=torch.float32)
-    rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
-    if rows:
-        mask[rows_t, cols_t] = 1.0
     return SharedPrefixBatch(
-        indices=indices,
-        rows=rows_t.to(device),
-        cols=cols_t.to(device),
-        mask=mask.to(device),
-        lengths=lengths,
+        **_layout(indices, rows, cols, lengths, max(max(lengths, default=0), 1), device),
         prefix_ids=prefix_ids.to(device),
         prefix_mask=prefix_mask.to(device),
         prefix_last=torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=device),
