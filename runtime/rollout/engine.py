@@ -45,6 +45,7 @@ class Engine:
         max_batch_size: int = 64,
         max_batch_tokens: int = 16384,
         version: int = 0,
+        owns_model: bool = False,
     ):
         if max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_size and max_batch_tokens must be >= 1")
@@ -54,7 +55,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.version = version
-        self.runner = make_runner(model)
+        self.runner = make_runner(model, owns_model)  # owned: one copy of the weights (FastRunner)
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = BatchStats()
         self._lock = threading.Lock()

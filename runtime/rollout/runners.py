@@ -37,9 +37,10 @@ import torch.nn.functional as F
 FAST_MODEL_TYPES = ("llama", "qwen2")
 
 
-def make_runner(model: Any) -> FastRunner | HFRunner:
-    """The fast runner when the architecture is one it knows, otherwise the generic one."""
-    return FastRunner(model) if FastRunner.supports(model) else HFRunner(model)
+def make_runner(model: Any, owns_model: bool = False) -> FastRunner | HFRunner:
+    """The fast runner when the architecture is one it knows, otherwise the generic one. ``owns_model``:
+    nothing but this runner uses the module (see :class:`FastRunner`)."""
+    return FastRunner(model, owns_model) if FastRunner.supports(model) else HFRunner(model)
 
 
 class _Layer:
@@ -58,6 +59,26 @@ class _Layer:
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
         # The module call costs more than SiLU itself on small batches; call the function directly.
         self.act = F.silu if isinstance(mlp.act_fn, torch.nn.SiLU) else mlp.act_fn
+
+    def alias_module(self, layer: Any) -> None:
+        """Point the layer's q/k/v and gate/up parameters at row slices of the fused tensors, so one copy
+        of those weights exists, and a weight update copied into the parameters lands in the fused ones."""
+        qkv = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        gate_up = (layer.mlp.gate_proj, layer.mlp.up_proj)
+        pairs: tuple[tuple[torch.Tensor | None, tuple[Any, ...], str], ...] = (
+            (self.qkv_w, qkv, "weight"),
+            (self.qkv_b, qkv, "bias"),
+            (self.gate_up_w, gate_up, "weight"),
+            (self.gate_up_b, gate_up, "bias"),
+        )
+        for fused, modules, attr in pairs:
+            if fused is None:
+                continue
+            start = 0
+            for m in modules:
+                param = getattr(m, attr)
+                param.data = fused[start : start + param.shape[0]]
+                start += param.shape[0]
 
 
 def _rms_norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -80,14 +101,20 @@ class FastRunner:
     """Static-KV-cache slots over a Llama-family model's parameters.
 
     The fused q/k/v and gate/up weights are copies, so :meth:`load_weights` must run after the
-    model's parameters change (the engine calls it whenever its weight version moves).
+    model's parameters change (the engine calls it whenever its weight version moves). With
+    ``owns_model`` — the engine built the module and nothing else uses it, as in a rollout process or
+    the evaluator — the module's q/k/v and gate/up parameters become views of the fused tensors
+    instead: the process holds one copy of those weights, not two, and an update copied into the
+    parameters in place needs no re-fusing. A module the trainer shares is never aliased.
     """
 
     name = "fast"
     uses_modules = False  # pure functions of the weights: no dropout, train/eval mode does not matter
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, owns_model: bool = False):
         self.model = model
+        self.owns_model = owns_model
+        self._aliased = False
         base = model.base_model
         attn = base.layers[0].self_attn
         cfg = model.config
@@ -133,14 +160,23 @@ class FastRunner:
             and all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         )
 
-    @torch.inference_mode()  # the fused copies must not be autograd tensors: that slows every matmul
     def load_weights(self) -> None:
-        """Read the model's current parameters (fusing q/k/v and gate/up)."""
+        """Read the model's current parameters (fusing q/k/v and gate/up; once, when aliased)."""
+        if self._aliased:
+            return  # updates were copied into the parameters, which are views of the fused tensors
         base = self.model.base_model
         self.embed = base.embed_tokens.weight
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.lm_head = (self.model.lm_head.weight, self.model.lm_head.bias)
-        self.layers = [_Layer(layer) for layer in base.layers]
+        if not self.owns_model:
+            with torch.inference_mode():  # the fused copies must not be autograd tensors: that slows every matmul
+                self.layers = [_Layer(layer) for layer in base.layers]
+            return
+        with torch.no_grad():  # not inference tensors: the engine copies updates into them in place
+            self.layers = [_Layer(layer) for layer in base.layers]
+            for fused, layer in zip(self.layers, base.layers, strict=True):
+                fused.alias_module(layer)
+        self._aliased = True
 
     def allocate(self, slots: int, max_len: int, device: torch.device) -> None:
         """A cache of ``slots`` rows by at least ``max_len`` columns, and rotary tables for every position.

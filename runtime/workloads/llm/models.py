@@ -67,13 +67,21 @@ def build_engine(
             max_batch_size=r.max_batch_size,
             sleep_mode=colocated,
         )
+    owns_model = model is None
     if model is None:
         model, own_tokenizer = build_policy(spec.model, device, seed=spec.seed)
         model.eval()
         tokenizer = own_tokenizer if tokenizer is None else tokenizer
     if tokenizer is None:
         raise ValueError("build_engine: a model passed in needs its tokenizer")
-    return Engine(model, tokenizer, device, max_batch_size=r.max_batch_size, max_batch_tokens=r.max_batch_tokens)
+    return Engine(
+        model,
+        tokenizer,
+        device,
+        max_batch_size=r.max_batch_size,
+        max_batch_tokens=r.max_batch_tokens,
+        owns_model=owns_model,
+    )
 
 
 def engine_tokenizer(spec: RunSpec) -> Any:

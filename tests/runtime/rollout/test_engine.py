@@ -290,3 +290,32 @@ def test_other_architectures_use_the_generic_runner_and_agree(tmp_path):
     scored = _trainer_logprobs(model, prompts, out, 1.0)
     worst = max((torch.tensor(c.logprobs) - s).abs().max().item() for c, s in zip(out, scored, strict=True))
     assert worst < 1e-4
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_an_engine_owning_its_model_keeps_one_copy_of_the_fused_weights_and_still_takes_updates(policy):
+    _, tok = policy
+    params = SamplingParams(10, temperature=0, ignore_eos=True)
+    owned_model, _ = build_policy(ModelSpec(builtin="tiny-qwen2"), "cpu", seed=3)
+    owned = Engine(owned_model, tok, "cpu", owns_model=True)
+    shared = Engine(policy[0], tok, "cpu")  # the trainer's module: never aliased
+    assert as_tuples(owned.generate(prompt_ids(tok), params)) == as_tuples(shared.generate(prompt_ids(tok), params))
+
+    for layer, fused in zip(owned_model.base_model.layers, owned.runner.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert {_storage(m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj)} == {_storage(fused.qkv_w)}
+        assert {_storage(m.weight) for m in (mlp.gate_proj, mlp.up_proj)} == {_storage(fused.gate_up_w)}
+    trainer_layer, trainer_fused = policy[0].base_model.layers[0], shared.runner.layers[0]
+    assert _storage(trainer_layer.self_attn.q_proj.weight) != _storage(trainer_fused.qkv_w)
+
+    # A new version copied into the (aliased) parameters reaches the fused weights without re-fusing.
+    new_model, _ = build_policy(ModelSpec(builtin="tiny-qwen2"), "cpu", seed=11)
+    owned.update_weights({k: v.detach().clone() for k, v in new_model.state_dict().items()}, version=1)
+    got = owned.generate(prompt_ids(tok), params)
+    want = Engine(new_model, tok, "cpu").generate(prompt_ids(tok), params)
+    assert as_tuples(got) == as_tuples(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -68,6 +68,7 @@ def test_builtin_inline_sync_engine_has_its_own_copy_of_the_policy(tmp_path):
     models = llm_models.build_models(spec, CPU)
     worker = LLMWorkload().inline_generator(spec, models, None, CPU, colocated=False)
     assert isinstance(worker.engine, Engine) and worker.engine.model is not models.policy
+    assert worker.engine.runner.owns_model  # its own module: one copy of the fused weights
 
 
 def test_builtin_colocated_with_ddp_shares_the_trainers_module(tmp_path):
@@ -75,6 +76,7 @@ def test_builtin_colocated_with_ddp_shares_the_trainers_module(tmp_path):
     models = llm_models.build_models(spec, CPU)
     worker = LLMWorkload().inline_generator(spec, models, None, CPU, colocated=True)
     assert spec.engine_shares_policy and worker.engine.model is models.policy
+    assert not worker.engine.runner.owns_model  # the trainer's parameters are never aliased
 
 
 def test_builtin_colocated_with_fsdp_gets_a_module_of_its_own(tmp_path):
@@ -89,8 +91,8 @@ def test_builtin_colocated_with_fsdp_gets_a_module_of_its_own(tmp_path):
 
 def test_builtin_on_the_instance_remote_and_evaluator_paths(tmp_path):
     spec = spec_of(tmp_path, pipeline={"mode": "async"})
-    assert isinstance(build_instance(0, spec, CPU, None, None, None).engine, Engine)
-    assert isinstance(RemoteLLMRollout(0, spec, CPU).engine, Engine)
+    for engine in (build_instance(0, spec, CPU, None, None, None).engine, RemoteLLMRollout(0, spec, CPU).engine):
+        assert isinstance(engine, Engine) and engine.runner.owns_model
     models = llm_models.build_models(spec, CPU)
     assert LLMWorkload().eval_engine(spec, CPU, models).tokenizer is models.tokenizer
     assert isinstance(LLMWorkload().eval_engine(spec, CPU), Engine)
