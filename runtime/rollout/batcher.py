@@ -281,22 +281,20 @@ class ContinuousBatcher:
     def _prefill(self, slots: list[int], prompts: list[list[int]]) -> tuple[torch.Tensor, int, int]:
         """Prefill each distinct prompt once, copy its cache to the slots that repeat it; returns every
         slot's next-token logits, the prompt tokens computed and the positions computed (padding included)."""
-        seen: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
-        which: list[int] = []  # each request's distinct prompt
-        distinct: list[int] = []  # the request that first has each distinct prompt
+        requests: dict[tuple[int, ...], list[int]] = {}  # each distinct prompt -> the requests that have it
         for j, ids in enumerate(prompts):
-            u = seen.setdefault(tuple(ids), len(seen))
-            if u == len(distinct):
-                distinct.append(j)
-            which.append(u)
+            requests.setdefault(tuple(ids), []).append(j)
+        firsts = [js[0] for js in requests.values()]
         engine = self.engine
         pad = engine.tokenizer.pad_id
-        logits, computed = engine.runner.prefill([prompts[j] for j in distinct], [slots[j] for j in distinct], pad)
-        for u, j in enumerate(distinct):
-            copies = [slots[k] for k, v in enumerate(which) if v == u and k != j]
-            if copies:
-                engine.runner.share_prefix(slots[j], copies, len(prompts[j]))
-        return logits[torch.tensor(which, device=logits.device)], sum(len(prompts[j]) for j in distinct), computed
+        logits, computed = engine.runner.prefill([prompts[j] for j in firsts], [slots[j] for j in firsts], pad)
+        which = [0] * len(prompts)  # each request's row of ``logits``
+        for u, js in enumerate(requests.values()):
+            for j in js:
+                which[j] = u
+            if len(js) > 1:
+                engine.runner.share_prefix(slots[js[0]], [slots[j] for j in js[1:]], len(prompts[js[0]]))
+        return logits[torch.tensor(which, device=logits.device)], sum(len(prompts[j]) for j in firsts), computed
 
     def _record(self, rows: list[int], logits: torch.Tensor, finished: list[tuple[Any, Completion]]) -> None:
         """Sample one token per row of ``logits`` (the slots ``rows``), append it, retire finished rows."""

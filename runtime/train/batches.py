@@ -98,6 +98,10 @@ class ResponseLayout:
         """A flat ``[n]`` tensor in response-token order -> one 1-D tensor per row."""
         return list(torch.split(flat, self.lengths))
 
+    def logits_and_targets(self, forward: Forward, prefix_forward: Forward | None = None) -> tuple[Tensor, Tensor]:
+        """The logits predicting each response token ``[n, V]`` and the tokens ``[n]``, in grid order."""
+        raise NotImplementedError
+
 
 @dataclass
 class PaddedBatch(ResponseLayout):
@@ -256,10 +260,8 @@ def _forward_keywords(forward: Forward) -> frozenset[str]:
 
 @dataclass
 class ContinuationTier:
-    """Rows ``[start, end)`` of a shared-prefix batch continued by one forward, padded to ``C`` tokens."""
+    """Rows of a shared-prefix batch continued by one forward, padded to ``C`` tokens."""
 
-    start: int
-    end: int
     units: Tensor  # [b] unit of each row: which prompt's cache it continues
     input_ids: Tensor  # [b, C] the responses but their last token
     attention_mask: Tensor  # [b, P + C]: the unit's prompt (P = the batch's prompt width), then these
@@ -354,8 +356,6 @@ def collate_shared_prefix(
             pick.extend([u] + [offset + t * cont + j - 1 for j in range(1, n)] if n else [])
         tiers.append(
             ContinuationTier(
-                start,
-                end,
                 torch.tensor([u for _, u in order[start:end]], dtype=torch.long, device=device),
                 input_ids.to(device),
                 mask.to(device),
@@ -410,8 +410,8 @@ def plan_micro_batches(
     padded = MicroBatchPlan(
         False, [[indices[j] for j in b] for b in local], padded_tokens(lengths, local), sum(lengths)
     )
-    if not allow_shared_prefix or not indices:
-        return padded
+    if not allow_shared_prefix or len({tuple(samples[i].prompt_ids) for i in indices}) == len(indices):
+        return padded  # not allowed, or no prompt repeats: nothing to share
     shared = plan_shared_prefix(samples, indices, token_budget)
     processed = sum(shared_prefix_cost(samples, b) for b in shared)
     if processed > (1.0 - SHARED_PREFIX_MIN_SAVING) * padded.processed_tokens:

@@ -86,7 +86,6 @@ from runtime.train.batches import (
     MicroBatchPlan,
     PaddedBatch,
     ResponseLayout,
-    SharedPrefixBatch,
     plan_micro_batches,
 )
 from runtime.train.parallel import LossScale, ParallelModel, load_shards, save_shards
@@ -533,7 +532,7 @@ class Trainer:
         prefix_model: Callable[..., Any] | None = None,
     ):
         """Log-probs (and optionally entropy) of the response tokens only, flat ``[n]``."""
-        assert model is not None and isinstance(mb, (PaddedBatch, SharedPrefixBatch))
+        assert model is not None
         picked, targets = mb.logits_and_targets(model, prefix_model)  # [n, V]: response positions only
         logp = logprobs_from_logits(picked, targets, self.temperature)
         if not with_entropy:
