@@ -74,11 +74,13 @@ class AsyncMode:
         # a sample: cheap; scored where the weight service keeps its versions, reading them in place
         probe = ctx.workload.consistency_probe(ctx.spec, KEPT_ON, max_samples=min(self.G, 4))
         self.pool.share_weights(ctx.trainer.publish_state())
+        # Kept before anyone may connect: a remote instance is admitted with the current version's weights,
+        # and one waiting for the endpoint file connects the moment it appears.
+        ctx.weights.initialize(ctx.trainer.publish_state())
         if self.peers is not None:
             self.peers.listen()
             if self.peers.evaluator is not None:
                 self.params_changed()  # the remote evaluator is the evaluator from now on
-        ctx.weights.initialize(ctx.trainer.publish_state())
         receiver = threading.Thread(target=self.ledger.receive, name="receiver", daemon=True)
         step = ctx.start_step
         ended = False

@@ -97,11 +97,16 @@ class RemotePeers:
                 return "the trainer is shutting down", True
             if any(s.rank == rank and not s.handled for s in self.ledger.slots):
                 return f"rank {rank} is still connected", True
-            self._take(conn, hello, rank)
+            version = self.ctx.weights.version
+            if version not in self.ctx.weights.versions():
+                return "the trainer has not kept its weights yet", True
+            self._take(conn, hello, rank, version)
         return None
 
-    def _take(self, conn: Any, hello: dict[str, Any], rank: int) -> None:
-        """Welcome an admitted rollout instance into the pool; the caller holds the ledger's lock."""
+    def _take(self, conn: Any, hello: dict[str, Any], rank: int, version: int) -> None:
+        """Welcome an admitted rollout instance into the pool with the kept weights of ``version`` (a version
+        published from now on is pushed by push_weights); the caller holds the ledger's lock."""
+        weights = self.ctx.weights.state(version)
         welcome: dict[str, Any] = {"epoch": int(self.pool.flags[EPOCH])}
         state = self.ledger.states.get(rank)  # where this rank's last accepted samples left it
         if state is not None:
@@ -112,9 +117,7 @@ class RemotePeers:
         conn.send(("welcome", welcome))
         peer = RemotePeer(conn, rank, int(hello.get("pid") or 0), str(hello.get("host") or "?"), broadcast)
         self.ledger.add(InstanceSlot(rank, peer, peer, conn, remote=True))
-        # a version published from now on is pushed by push_weights; this one is the current
-        version = self.ctx.weights.version
-        self._push_to(peer, version, self.ctx.weights.state(version))
+        self._push_to(peer, version, weights)
         sync = "broadcast" if broadcast is not None else "link"
         self.pool.note("rollout_connected", {"rank": rank, "host": peer.host, "pid": peer.pid, "weight_sync": sync})
 

@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -305,6 +306,43 @@ def test_a_killed_remote_instance_is_replaced_by_a_new_process_and_nothing_is_lo
     trace = result["trace"]
     assert [len(s) for s in trace["consumed"]] == [4] * 6
     _accounted_once(trace)
+
+
+@pytest.mark.slow
+def test_an_instance_that_connects_the_moment_the_trainer_listens_is_admitted_with_its_weights(tmp_path, monkeypatch):
+    """A remote instance waiting for the endpoint file connects as soon as it appears. The trainer is held
+    right after it starts listening until that instance's hello was answered, so the admission meets the
+    trainer at its earliest point: the weights it is admitted with must already be kept (they were not: the
+    hello failed in the listener, and the rank served without its ``rollout_connected`` event)."""
+    from runtime.pipeline.remote_peers import RemotePeers
+
+    spec = tiny_spec(tmp_path, "early", BASE)
+    answered = threading.Event()
+    listen, admit = RemotePeers.listen, RemotePeers.admit
+
+    def admit_and_tell(self, conn, hello):
+        try:
+            return admit(self, conn, hello)
+        finally:
+            answered.set()
+
+    def listen_and_hold(self):
+        listen(self)
+        assert answered.wait(120), "the waiting remote instance never said hello"
+
+    monkeypatch.setattr(RemotePeers, "admit", admit_and_tell)
+    monkeypatch.setattr(RemotePeers, "listen", listen_and_hold)
+    remote = remote_rollout(_spec_file(spec, tmp_path), 0, tmp_path / "remote.log")
+    try:
+        result = run(spec)
+        assert remote.wait(timeout=60) == 0, (tmp_path / "remote.log").read_text()
+    finally:
+        remote.kill()
+    _, events = read_jsonl(tmp_path / "early" / "metrics.jsonl")
+    connected = [e["payload"] for e in events if e["event"] == "rollout_connected"]
+    assert [(e["rank"], e["pid"]) for e in connected] == [(1, remote.pid)]
+    assert {rank for _, rank, _ in result["trace"]["issued_to"]} == {0, 1}
+    _accounted_once(result["trace"])
 
 
 @pytest.mark.slow
