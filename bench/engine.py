@@ -44,6 +44,19 @@ def make_engine(model, tok, slots: int) -> Engine:
     return engine
 
 
+def hf_twin(model, tok):
+    """The same weights as transformers' own class (the built-ins are the plain decoder, which has no
+    ``generate()``): exported and loaded back, as a ``model.path`` run would load them."""
+    import tempfile
+
+    from runtime.models import save_hf
+
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        save_hf(model, tok, tmp)
+        twin, _ = build_policy(ModelSpec(path=tmp), "cpu")
+    return twin.eval()
+
+
 def make_prompts(tokenizer, batch: int, seed: int) -> list[list[int]]:
     """Prompts of mixed lengths (8-40 characters), as a rollout batch has."""
     g = torch.Generator().manual_seed(seed)
@@ -78,6 +91,7 @@ def bench_model(name: str, batch: int, max_new: int, repeats: int) -> dict:
 
     model, tok = build_policy(ModelSpec(builtin=name), "cpu", seed=0)
     model.eval()
+    twin = hf_twin(model, tok)
     prompts = make_prompts(tok, batch, seed=0)
     width = max(map(len, prompts))
     ids = torch.full((batch, width), tok.pad_id, dtype=torch.long)
@@ -92,7 +106,7 @@ def bench_model(name: str, batch: int, max_new: int, repeats: int) -> dict:
 
     def hf() -> None:
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+            out = twin.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
         assert out.shape[1] == width + max_new, out.shape
 
     engine = make_engine(model, tok, batch)
@@ -182,6 +196,7 @@ def bench_long_tail(name: str, slots: int, requests: int, max_new: int, repeats:
 
     model, tok = build_policy(ModelSpec(builtin=name), "cpu", seed=0)
     model.eval()
+    twin = hf_twin(model, tok)
     work = long_tail_work(tok, requests, max_new)
     batches = []
     for start in range(0, len(work), slots):
@@ -211,7 +226,7 @@ def bench_long_tail(name: str, slots: int, requests: int, max_new: int, repeats:
             )  # fmt: skip
             stop = StoppingCriteriaList([RowLength(ids.shape[1], lengths)])
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=stop)
+                out = twin.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=stop)
             assert out.shape[1] == ids.shape[1] + int(lengths.max()), out.shape
 
     engine = make_engine(model, tok, slots)

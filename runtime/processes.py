@@ -1,6 +1,6 @@
 """How the runtime starts its child processes (rollout instances, trainer ranks, the evaluator process).
 
-Every child used to be *spawned*: a fresh interpreter that imports torch and transformers again before
+Every child used to be *spawned*: a fresh interpreter that imports torch (and the model's libraries) again before
 it does anything — seconds of start-up per child, paid after the parent had paid the same. Children now
 come from a *fork server* (``multiprocessing``'s ``forkserver`` start method): one clean process, started
 as early as the run starts (:func:`warm_up`, beside the parent's own imports and model building), imports
@@ -19,18 +19,23 @@ import multiprocessing
 import os
 from typing import Any
 
-# What every child imports anyway: torch, the Hugging Face model classes of the built-in models, and the
-# runtime modules holding the children's entry points. A module that fails to import is skipped there.
+# What every child imports anyway: torch and the runtime modules holding the children's entry points. A
+# module that fails to import is skipped there. The built-in models are plain PyTorch
+# (runtime.models.decoder); a run of a Hugging Face checkpoint (``model.path``) builds its model with
+# transformers in every child as well, so its fork server imports those too (HF_PRELOAD).
 PRELOAD = [
     "torch",
-    "transformers",
-    "transformers.models.qwen2.modeling_qwen2",
-    "transformers.models.llama.modeling_llama",
     "runtime.rollout.instance",
     "runtime.workloads.llm",
     "runtime.train.group",
     "runtime.evaluation.process",
 ]
+HF_PRELOAD = [
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+]
+_with_hf = False  # set by warm_up_for a run whose model.path is an HF checkpoint
 
 
 def _start_method() -> str:
@@ -69,12 +74,15 @@ def warm_up() -> None:
 
 def _set_preload() -> None:
     if START_METHOD == "forkserver":  # one fork server per process, shared by every context of that method
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        modules = PRELOAD + HF_PRELOAD if _with_hf else PRELOAD
+        multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
 
 
 def warm_up_for(spec: Any) -> None:
     """:func:`warm_up` when ``spec`` (a runtime.spec.RunSpec) will start children: async rollout processes or an
     evaluator process, data-parallel trainer ranks. Otherwise the fork server's imports would only compete
-    with the run's own for the cores."""
+    with the run's own for the cores. A ``model.path`` run's children get transformers preloaded too."""
+    global _with_hf
     if spec.pipeline.mode == "async" or spec.resources.trainer_devices > 1:
+        _with_hf = bool(getattr(getattr(spec, "model", None), "path", None))
         warm_up()

@@ -1,4 +1,5 @@
-"""Policy and critic models (Hugging Face causal LMs) and tokenizers.
+"""Policy and critic models and tokenizers: the built-in architectures as a plain PyTorch decoder
+(``decoder.py``, no transformers import), Hugging Face checkpoints (``model.path``) through transformers.
 
 Public interface: :func:`build_policy`, :func:`save_hf`, :class:`ValueModel`,
 :func:`token_logprobs`, the tokenizers, and :class:`ModelError`.

@@ -1,4 +1,5 @@
-"""Build or load the policy: a Hugging Face causal LM plus its tokenizer, and save it back in HF format."""
+"""Build or load the policy: a built-in decoder or a Hugging Face causal LM plus its tokenizer, and save
+it back in HF format."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from runtime.models.configs import builtin_config
+from runtime.models.decoder import DecoderForCausalLM
 from runtime.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,17 +29,25 @@ def check_model_path(path: str | Path) -> Path:
     return p
 
 
+def build_builtin(name: str, dtype: torch.dtype, tokenizer: CharTokenizer) -> DecoderForCausalLM:
+    """The built-in architecture ``name`` as the plain decoder (weights drawn from the global RNG)."""
+    config = builtin_config(name, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+    return DecoderForCausalLM(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+
+
 def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> tuple[Any, CharTokenizer | HFTokenizer]:
     """The policy model and tokenizer described by ``model_spec`` (a runtime.spec.ModelSpec), on ``device``.
 
-    With ``path`` set the directory is loaded with ``from_pretrained(local_files_only=True)``; otherwise
-    the named built-in architecture is initialised from ``seed`` (without disturbing the global RNG).
+    With ``path`` set the directory is loaded with transformers' ``from_pretrained(local_files_only=True)``
+    (any architecture); otherwise the named built-in architecture is the plain decoder
+    (``runtime.models.decoder``: no transformers import), initialised from ``seed`` without disturbing the
+    global RNG, with the weights transformers would draw for that seed.
     """
-    from transformers import AutoModelForCausalLM
-
     dtype = DTYPES[model_spec.dtype]
-    model: Any  # a transformers PreTrainedModel (its stubs type .to() too narrowly)
+    model: Any  # a transformers PreTrainedModel or a DecoderForCausalLM
     if model_spec.path:
+        from transformers import AutoModelForCausalLM
+
         path = check_model_path(model_spec.path)
         try:
             tokenizer = CharTokenizer() if model_spec.tokenizer == "char" else load_tokenizer(path)
@@ -49,12 +59,9 @@ def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> 
             raise ModelError(f"model.path: cannot load {path}: {exc}") from None
     else:
         tokenizer = CharTokenizer()
-        config = builtin_config(
-            model_spec.builtin, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
-        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = build_builtin(model_spec.builtin, dtype, tokenizer)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ModelError(
             f"model.tokenizer: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"

@@ -22,7 +22,7 @@ module dispatch. That skips what makes ``model.generate()`` slow on small models
 construction, cache concatenation, logits processors — and log-probabilities agree with the
 trainer's to float rounding. Attention reads little more than the cache columns each row can see:
 decode rows are split into ranges by length, prefill prompts into blocks. :class:`HFRunner`, for any other causal LM, runs the model's own forward
-with one transformers DynamicCache per slot (slower, always correct).
+with one KV cache per slot (the model's own: slower, always correct).
 """
 
 from __future__ import annotations
@@ -385,7 +385,8 @@ def _split_rows(cols: list[int], penalty: int) -> list[tuple[int, int]]:
 
 
 class HFRunner:
-    """Any transformers causal LM through its own forward, one DynamicCache per slot (slow, always correct)."""
+    """Any causal LM (transformers' or the plain decoder) through its own forward, one KV cache per slot
+    (slow, always correct)."""
 
     name = "hf"
     uses_modules = True  # the model's own forward: must run in eval mode (no dropout)
@@ -423,13 +424,14 @@ class HFRunner:
             input_ids=ids_t, attention_mask=mask, position_ids=positions, use_cache=True,
             **{self.cache_kw: self.caches[slot]},
         )  # fmt: skip
+        # A prefill passes no cache: the model makes its own (transformers' DynamicCache, or the plain
+        # decoder's) and returns it; decoding continues it.
+        self.caches[slot] = getattr(out, "cache", None) or out.past_key_values
         return out.logits[0, -1]
 
     def prefill(self, prompts: list[list[int]], slots: list[int], pad: int) -> tuple[torch.Tensor, int]:
-        from transformers import DynamicCache
-
         for s in slots:
-            self.caches[s] = DynamicCache(config=self.model.config)
+            self.caches[s] = None
         logits = torch.stack([self._run(s, p, 0) for p, s in zip(prompts, slots, strict=True)])
         return logits, sum(map(len, prompts))  # one prompt at a time: no padding
 

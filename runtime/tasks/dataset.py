@@ -230,7 +230,7 @@ def split_rows(rows: list[Row], eval_size: int, seed: int) -> tuple[list[Row], l
 def chat_formatter(model_path: str | None, system_prompt: str | None) -> Callable[[str], str]:
     """The function that turns a question into the text given to the model with the model tokenizer's chat
     template; a TaskError when there is no tokenizer with one."""
-    # imported here: runtime.models brings torch and transformers, which reading a dataset does not need
+    # imported here: runtime.models brings torch, which reading a dataset does not need
     from runtime.models.tokenizer import CHAR_FILE, load_tokenizer
 
     if model_path is None:

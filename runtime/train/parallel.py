@@ -17,8 +17,8 @@ strategy-independent access to training forwards, gradient accumulation and the 
   kept between micro-batches). Every forward all-gathers, so every rank must run as many forwards
   as the others: :meth:`ParallelModel.agree` gives the count all ranks run.
 
-``gradient_checkpointing`` uses the Hugging Face model's own ``activation_checkpointing_enable``
-(non-reentrant), which recomputes each decoder layer in the backward pass.
+``gradient_checkpointing`` uses the model's own ``activation_checkpointing_enable`` (non-reentrant; the
+built-in decoder has one under transformers' name), which recomputes each decoder layer in the backward pass.
 
 Gradient clipping needs no help here: ``torch.nn.utils.clip_grad_norm_`` over DTensor gradients
 returns the global norm (a replicated DTensor), identical on every rank.
@@ -53,17 +53,17 @@ def decoder_layers(module: nn.Module) -> nn.ModuleList:
 
 
 def enable_gradient_checkpointing(module: nn.Module) -> None:
-    """Recompute decoder layers in the backward pass (the HF model's own mechanism, non-reentrant)."""
-    target = module.backbone if hasattr(module, "backbone") else module  # the PPO critic wraps an HF backbone
+    """Recompute decoder layers in the backward pass (the model's own mechanism, non-reentrant)."""
+    target = module.backbone if hasattr(module, "backbone") else module  # the PPO critic wraps a backbone
     # transformers 5 names it activation_checkpointing_enable (gradient_checkpointing_enable: deprecated alias)
     enable = getattr(target, "activation_checkpointing_enable", None)
     if enable is None:
         raise ParallelError(
             f"trainer.gradient_checkpointing: {type(target).__name__} has no activation_checkpointing_enable "
-            "(a Hugging Face model is needed)"
+            "(a built-in or Hugging Face model is needed)"
         )
     enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    module.train()  # HF checkpoints only in training mode; the built-in models have no dropout to change
+    module.train()  # layers checkpoint only in training mode; the built-in models have no dropout to change
 
 
 def agree_on_count(count: int, group: Any) -> int:

@@ -38,6 +38,7 @@ same math as the engine's.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,7 +47,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from runtime import metrics as M
 from runtime.contract import (
@@ -348,7 +348,7 @@ class Trainer:
         for opt in self._optimizers():
             for param, state in opt.state.items():
                 for key, value in state.items():
-                    if isinstance(value, DTensor):  # an fsdp shard: moving it moves its local tensor
+                    if _is_dtensor(value):  # an fsdp shard: moving it moves its local tensor
                         devices.setdefault(id(param), {})[key] = value.device
                         state[key] = value.to("cpu", copy=True)
                     elif isinstance(value, Tensor):
@@ -368,7 +368,7 @@ class Trainer:
                 for key, device in self._offloaded.get(id(param), {}).items():
                     value = state[key]
                     # copy=True: on CPU the reloaded state is fresh storage, as it is on an accelerator.
-                    pinned = not isinstance(value, DTensor) and value.is_pinned()
+                    pinned = not _is_dtensor(value) and value.is_pinned()
                     state[key] = value.to(device, non_blocking=pinned, copy=True)
         self._offloaded = None
 
@@ -779,6 +779,13 @@ def _union_keys(values: dict[str, float], group: Any, world: int) -> list[str]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, sorted(values), group=group)
     return sorted({k for keys in gathered for k in keys})
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is an fsdp shard (a DTensor). Read from ``sys.modules``: importing
+    torch.distributed.tensor costs half a second (sympy), and nothing can be a DTensor before fsdp imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _empty_cache(device: torch.device) -> None:

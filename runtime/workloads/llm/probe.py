@@ -27,14 +27,8 @@ class PublishedPolicy:
     """
 
     def __init__(self, model_spec: Any, device: torch.device | str):
-        from transformers import AutoModelForCausalLM  # heavy import, only where a policy is built
-
-        from runtime.models import DTYPES
-
         self.device = torch.device(device)
-        config, attention = _policy_config(model_spec)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[model_spec.dtype], **attention)
+        model = _skeleton(model_spec)
         _materialise_buffers(model, self.device)
         self.model = model.eval().requires_grad_(False)
         self._empty: State = dict(model.state_dict())  # meta tensors: what release() binds back
@@ -64,17 +58,21 @@ class PublishedPolicy:
             self.release()
 
 
-def _policy_config(model_spec: Any) -> tuple[Any, dict[str, str]]:
-    """The policy's transformers config and attention choice, as ``runtime.models.build_policy`` makes them."""
-    from transformers import AutoConfig
+def _skeleton(model_spec: Any) -> Any:
+    """The policy's module tree on the ``meta`` device, as ``runtime.models.build_policy`` builds it: the
+    plain decoder for a built-in (no transformers import), transformers' class for a ``model.path``."""
+    from runtime.models import DTYPES, CharTokenizer, check_model_path
+    from runtime.models.loading import build_builtin
 
-    from runtime.models import CharTokenizer, builtin_config, check_model_path
-
+    dtype = DTYPES[model_spec.dtype]
     if model_spec.path:
-        return AutoConfig.from_pretrained(str(check_model_path(model_spec.path)), local_files_only=True), {}
-    tok = CharTokenizer()  # a built-in architecture always takes the char vocabulary
-    config = builtin_config(model_spec.builtin, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
-    return config, {"attn_implementation": "sdpa"}
+        from transformers import AutoConfig, AutoModelForCausalLM  # heavy import, only for an HF checkpoint
+
+        config = AutoConfig.from_pretrained(str(check_model_path(model_spec.path)), local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device("meta"):  # a built-in architecture always takes the char vocabulary
+        return build_builtin(model_spec.builtin, dtype, CharTokenizer())
 
 
 def _materialise_buffers(model: Any, device: torch.device) -> None:

@@ -1,0 +1,71 @@
+"""The plain decoder's KV cache and attention mask.
+
+:class:`KVCache` has the parts of transformers' ``DynamicCache`` the runtime uses: ``layers[i].keys`` /
+``.values`` (``[B, kv_heads, T, head_dim]``), construction from ``ddp_cache_data=[(k, v), ...]`` (the
+trainer's shared-prefix layout expands a prompt's cache that way, keeping its autograd graph),
+``get_seq_length()`` and ``update``, which appends a forward's keys and values.
+
+:func:`causal_mask` is the boolean mask transformers' SDPA path builds from a 2-D padding mask, and
+``None`` exactly where it leaves the mask out (SDPA's ``is_causal``, or a single query, gives the same):
+the two forwards then run the same kernels on the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class CacheLayer:
+    def __init__(self, keys: Tensor | None = None, values: Tensor | None = None):
+        self.keys, self.values = keys, values
+
+
+class KVCache:
+    def __init__(self, ddp_cache_data: list[tuple[Tensor, Tensor]] | None = None):
+        self.layers = [CacheLayer(k, v) for k, v in ddp_cache_data or ()]
+
+    def update(self, keys: Tensor, values: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+        """Append ``keys`` / ``values`` (this forward's columns) to layer ``layer_idx``; returns all its columns."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(CacheLayer())
+        layer = self.layers[layer_idx]
+        if layer.keys is None or layer.values is None:
+            layer.keys, layer.values = keys, values
+        else:
+            layer.keys = torch.cat([layer.keys, keys], dim=-2)
+            layer.values = torch.cat([layer.values, values], dim=-2)
+        return layer.keys, layer.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers) or self.layers[layer_idx].keys is None:
+            return 0
+        return int(self.layers[layer_idx].keys.shape[-2])  # type: ignore[union-attr]
+
+
+def causal_mask(
+    attention_mask: Tensor | None, batch: int, q_len: int, past: int, device: torch.device
+) -> Tensor | None:
+    """``[B, 1, q_len, past + q_len]``, True where query ``i`` (cache column ``past + i``) may attend column
+    ``j``: ``j <= past + i`` and ``attention_mask[b, j]`` (a mask shorter than the columns is padded with
+    False). None where no mask is needed: no padding and a square or single-row attention, or an empty
+    cache and padding only after the queries' columns."""
+    kv_len = past + q_len
+    pad = None
+    if attention_mask is not None:
+        pad = attention_mask.to(device=device, dtype=torch.bool)
+        if pad.shape[-1] < kv_len:
+            pad = F.pad(pad, (0, kv_len - pad.shape[-1]))
+        elif pad.shape[-1] > kv_len:
+            pad = pad[:, :kv_len]
+    if (q_len == 1 or kv_len == q_len) and (pad is None or bool(pad.all())):
+        return None
+    if past == 0 and (pad is None or (bool(pad[:, :q_len].all()) and not bool(pad[:, q_len:].any()))):
+        return None
+    rows = torch.arange(q_len, device=device) + past
+    cols = torch.arange(kv_len, device=device)
+    mask = cols[None, None, None, :] <= rows[None, None, :, None]
+    if pad is not None:
+        mask = mask & pad[:, None, None, :]
+    return mask.expand(batch, -1, q_len, kv_len)

@@ -1,0 +1,40 @@
+"""A built-in model's run never imports transformers' model classes (the plain decoder, runtime/models/decoder.py,
+stands in for them): they cost a run seconds of start-up. Checked on a whole sync run through the CLI, with
+``-X importtime`` listing every module the process imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.runtime.helpers import ROOT
+
+# bench/startup.py's overrides, one step
+OVERRIDES = ["pipeline.steps=1", "pipeline.eval_interval=0", "checkpoint.interval=0", "resources.threads_per_process=1"]
+
+
+def _imported(stderr: str) -> set[str]:
+    """Module names from ``-X importtime`` lines (``import time: self | cumulative | name``)."""
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+
+
+def test_a_builtin_sync_run_imports_no_transformers_model_class(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "runtime", "run", "examples/grpo-sync.yaml", f"output_dir={out}"]
+        + OVERRIDES,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "metrics.jsonl").is_file()
+    imported = _imported(proc.stderr)
+    assert "torch" in imported and "runtime.models.decoder" in imported  # the listing is what it claims
+    models = sorted(m for m in imported if m.startswith("transformers.models") or m == "transformers.modeling_utils")
+    assert models == []
