@@ -249,37 +249,6 @@ def fit_link(name: str, copies: Sequence[Copy]) -> tuple[Link, Fit]:
     return Link(bandwidth_bytes_per_s=1.0 / s_per_byte, latency_s=latency), fit
 
 
-def fit_contention(alone_s: dict[str, float], together_s: dict[str, Sequence[float]], cores: int) -> Fit:
-    """``host_contention`` (:class:`~capacity.config.Config`) from one-thread work timed alone and beside
-    one more computing core: ``together / alone - 1`` for each timing, their mean, scaled from two busy
-    cores to all of them (a pair's slowdown is ``1 + c / (cores - 1)``). Not below 0: the measured
-    pairs never make a core faster. ``alone_s`` and ``together_s`` by the kind of work timed."""
-    p = Problems()
-    p.integer("cores", cores, low=2, high=1 << 20)
-    for kind, seconds in alone_s.items():
-        p.number(f"alone_s.{kind}", seconds, low=0, high=1e6, low_open=True, unit=" s")
-    for kind, timings in together_s.items():
-        if kind not in alone_s:
-            p.add(f"together_s.{kind}", "has no timing alone to compare with")
-        for i, seconds in enumerate(timings):
-            p.number(f"together_s.{kind}[{i}]", seconds, low=0, high=1e6, low_open=True, unit=" s")
-    if not any(together_s.values()):
-        p.add("together_s", "needs at least one timing")
-    p.raise_if_any()
-    ratios = [t / alone_s[kind] - 1.0 for kind, timings in together_s.items() for t in timings]
-    per_pair = statistics.fmean(ratios)
-    value = min(10.0, max(0.0, per_pair * (cores - 1)))
-    spread = statistics.pstdev(ratios) if len(ratios) > 1 else 0.0
-    return Fit(
-        "host_contention",
-        {"host_contention": value},
-        len(ratios),
-        rms_s=0.0,
-        relative_rms=spread,
-        note="relative_rms: the spread of the pairs' slowdowns; " + ", ".join(f"{r:+.3f}" for r in ratios),
-    )
-
-
 def fit_costs(m: Measurements) -> Calibrated:
     """Every cost of one device from its measurements (checked first: a bad record is named)."""
     _check_measurements(m)
@@ -375,15 +344,13 @@ def bench_config(
     host_cores: int | None = None,
     host_background: float = 0.0,
     seed: int = 0,
-    host_contention: float = 0.0,
 ) -> Config:
     """The configuration ``run`` is, for the model: its mode and knobs, the measured lengths and prompt
     tokens, one trainer rank, its rollout instances (async: each a process of its own; sync and
     colocated: the one engine in the trainer's process), simulated over the run's own steps and
     warm-up so both measure the same window. ``host_cores``: the async processes (one thread each)
     share a host of this many cores, with ``host_background`` cores' worth of other work computing
-    meanwhile and cores ``host_contention`` slower with all busy; sync and colocated run one process on
-    all the cores, which the model does not share."""
+    meanwhile; sync and colocated run one process on all the cores, which the model does not share."""
     if lengths.max_new_tokens != run.max_new_tokens:
         raise InputError(
             [
@@ -409,7 +376,6 @@ def bench_config(
         trainer_ranks=1,
         host_cores=host_cores if run.mode == "async" else None,
         host_background=host_background if run.mode == "async" and host_cores is not None else 0.0,
-        host_contention=host_contention if run.mode == "async" and host_cores is not None else 0.0,
         run_steps=run.steps,
         sim_steps=run.steps,
         warmup_steps=run.warmup_steps,

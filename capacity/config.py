@@ -98,12 +98,6 @@ class Config:
     host_background: float = 0.0
     """With ``host_cores``: cores' worth of other work computing on the host all along (a shared
     machine); it takes its share of the cores like one more process."""
-    host_contention: float = 0.0
-    """With ``host_cores``: how much slower a core computes while every core of the host computes
-    (shared caches and memory bandwidth; a virtual machine's cores on busy physical ones): a job's
-    speed is divided by ``1 + host_contention * (busy - 1) / (host_cores - 1)``, ``busy`` the cores
-    in use (its own included). 0: cores as fast together as alone. Measured, never assumed
-    (``bench/capacity_calibration.py``'s contention probe)."""
     run_steps: int = 50
     """Steps of the whole run (``pipeline.steps``): the estimated run time is this times the step time."""
     sim_steps: int = 12
@@ -146,7 +140,6 @@ class Config:
         if self.host_cores is not None:
             p.integer("host_cores", self.host_cores, low=1, high=1 << 20)
         p.number("host_background", self.host_background, low=0, high=1 << 20)
-        p.number("host_contention", self.host_contention, low=0, high=10)
         if self.queue_capacity is not None:
             p.integer("queue_capacity", self.queue_capacity, low=self.samples_per_step, high=1 << 40)
         if self.warmup_steps >= self.sim_steps:

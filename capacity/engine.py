@@ -43,14 +43,12 @@ class HostCores:
     uses more than one core, and the operating system's scheduler shares the cores equally among the
     runnable ones (the egalitarian processor-sharing queue; Kleinrock, Queueing Systems vol. 2, 1976,
     section 4.4). ``background``: cores' worth of other work always runnable on the host (a shared
-    machine), which takes its share too. ``contention``: every core is slower while more of them
-    compute (:attr:`~capacity.config.Config.host_contention`): ``1 + contention`` times with all busy."""
+    machine), which takes its share too."""
 
-    def __init__(self, env: simpy.Environment, cores: int, background: float = 0.0, contention: float = 0.0):
+    def __init__(self, env: simpy.Environment, cores: int, background: float = 0.0):
         self.env = env
         self.cores = cores
         self.background = background
-        self.contention = contention
         self._jobs: list[list[Any]] = []  # [seconds of one core's work left, event to trigger when done]
         self._updated = env.now
         self._changed = env.event()
@@ -69,14 +67,7 @@ class HostCores:
         return done
 
     def _rate(self) -> float:
-        if not self._jobs:
-            return 1.0
-        demand = len(self._jobs) + self.background
-        share = min(1.0, self.cores / demand)
-        if self.cores == 1 or not self.contention:
-            return share
-        busy = min(float(self.cores), demand)
-        return share / (1.0 + self.contention * (busy - 1.0) / (self.cores - 1))
+        return min(1.0, self.cores / (len(self._jobs) + self.background)) if self._jobs else 1.0
 
     def _advance(self) -> None:
         now = self.env.now

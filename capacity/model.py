@@ -112,9 +112,7 @@ class Pipeline:
         self.queue_server = FifoServer(self.env)
         self.devices = placement(config)
         self.cores = (
-            HostCores(self.env, config.host_cores, config.host_background, config.host_contention)
-            if config.host_cores is not None
-            else None
+            HostCores(self.env, config.host_cores, config.host_background) if config.host_cores is not None else None
         )
         self.staged_at: dict[int, float] = {}  # version -> when the trainer staged it
         self.engines = [

@@ -17,7 +17,6 @@ from capacity.calibrate import (
     TrainStep,
     bench_config,
     empirical_lengths,
-    fit_contention,
     fit_costs,
     fit_engine,
     fit_link,
@@ -255,10 +254,10 @@ def test_relative_error():
 # ---- host cores ----
 
 
-def finish_times(cores: int, jobs: list[tuple[float, float]], contention: float = 0.0) -> list[float]:
+def finish_times(cores: int, jobs: list[tuple[float, float]]) -> list[float]:
     """(start, seconds) jobs on ``cores``; when each finished."""
     env = simpy.Environment()
-    host = HostCores(env, cores, contention=contention)
+    host = HostCores(env, cores)
     done: list[float] = [0.0] * len(jobs)
 
     def job(i: int, start: float, seconds: float):
@@ -281,28 +280,6 @@ def test_host_cores_share_equally_and_never_speed_one_process_up():
     assert finish_times(2, [(0, 1.0), (0, 1.0), (0.5, 1.0)]) == pytest.approx([1.25, 1.25, 1.75])
 
 
-def test_contention_slows_every_core_only_while_more_than_one_computes():
-    # alone: full speed whatever the contention
-    assert finish_times(2, [(0, 1.0)], contention=0.25) == [1.0]
-    # both cores busy: each at 1 / 1.25 of a core
-    assert finish_times(2, [(0, 1.0), (0, 1.0)], contention=0.25) == pytest.approx([1.25, 1.25])
-    # the second starts at 0.5: the first has 0.5 left, done at 0.5 + 0.5 * 1.25 = 1.125; the second did
-    # 0.5 of its work by then and ends alone at full speed, at 1.625
-    assert finish_times(2, [(0, 1.0), (0.5, 1.0)], contention=0.25) == pytest.approx([1.125, 1.625])
-    # four cores, two busy: a third of the all-busy slowdown
-    assert finish_times(4, [(0, 1.0), (0, 1.0)], contention=0.3) == pytest.approx([1.1, 1.1])
-    # oversubscribed: the share and the slowdown multiply
-    assert finish_times(2, [(0, 1.0)] * 3, contention=0.2) == pytest.approx([1.8, 1.8, 1.8])
-    # a host of one core has nothing to contend with
-    assert finish_times(1, [(0, 1.0), (0, 1.0)], contention=0.5) == pytest.approx([2.0, 2.0])
-
-
-def test_contention_is_a_field_checked_in_range():
-    with pytest.raises(InputError) as info:
-        Config(host_cores=2, host_contention=-0.1)
-    assert info.value.fields == ["host_contention"]
-
-
 def test_oversubscribed_host_slows_the_pipeline_and_enough_cores_change_nothing():
     from tests.capacity.helpers import hand_config, hand_costs
 
@@ -321,23 +298,3 @@ def test_host_cores_must_be_positive():
     with pytest.raises(InputError) as info:
         Config(host_cores=0)
     assert info.value.fields == ["host_cores"]
-
-
-def test_contention_is_the_mean_slowdown_of_the_pairs_scaled_to_every_core():
-    fit = fit_contention({"engine": 1.0, "train": 2.0}, {"engine": [1.2, 1.1], "train": [2.2]}, cores=2)
-    assert fit.coefficients["host_contention"] == pytest.approx((0.2 + 0.1 + 0.1) / 3)
-    assert fit.points == 3
-    # on four cores a pair is a third of the way to all busy
-    four = fit_contention({"engine": 1.0}, {"engine": [1.1]}, cores=4)
-    assert four.coefficients["host_contention"] == pytest.approx(0.3)
-    # pairs that ran faster than alone (noise) do not make a core faster
-    assert fit_contention({"engine": 1.0}, {"engine": [0.9]}, cores=2).coefficients["host_contention"] == 0.0
-
-
-def test_contention_timings_that_cannot_be_measurements_are_named():
-    with pytest.raises(InputError) as info:
-        fit_contention({"engine": 0.0}, {"engine": [1.0], "train": [1.0]}, cores=1)
-    assert info.value.fields == ["cores", "alone_s.engine", "together_s.train"]
-    with pytest.raises(InputError) as info:
-        fit_contention({"engine": 1.0}, {"engine": []}, cores=2)
-    assert info.value.fields == ["together_s"]
