@@ -363,7 +363,8 @@ def part_fsdp_step(ctx: Context) -> dict[str, Any]:
         reset_peak_memory(ctx.kind)
         losses, start = [], time.perf_counter()
         for _ in range(3):  # the same batch: the loss must fall
-            loss = model(input_ids=ids, labels=ids).loss
+            logits = model(input_ids=ids).logits[:, :-1].float()  # next-token loss (the plain decoder takes no labels)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -21,8 +21,9 @@ from typing import Any
 
 # What every child imports anyway: torch and the runtime modules holding the children's entry points. A
 # module that fails to import is skipped there. The built-in models are plain PyTorch
-# (runtime.models.decoder); a run of a Hugging Face checkpoint (``model.path``) builds its model with
-# transformers in every child as well, so its fork server imports those too (HF_PRELOAD).
+# (runtime.models.decoder), and so is a ``model.path`` checkpoint it computes exactly (hf_files.plain_config);
+# a run of another Hugging Face checkpoint builds its model with transformers in every child as well, so its
+# fork server imports those too (HF_PRELOAD).
 PRELOAD = [
     "torch",
     "runtime.rollout.instance",
@@ -35,7 +36,7 @@ HF_PRELOAD = [
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
 ]
-_with_hf = False  # set by warm_up_for a run whose model.path is an HF checkpoint
+_with_hf = False  # set by warm_up_for a run whose model.path transformers loads
 
 
 def _start_method() -> str:
@@ -81,8 +82,11 @@ def _set_preload() -> None:
 def warm_up_for(spec: Any) -> None:
     """:func:`warm_up` when ``spec`` (a runtime.spec.RunSpec) will start children: async rollout processes or an
     evaluator process, data-parallel trainer ranks. Otherwise the fork server's imports would only compete
-    with the run's own for the cores. A ``model.path`` run's children get transformers preloaded too."""
+    with the run's own for the cores. A run whose ``model.path`` transformers loads gets it preloaded too."""
     global _with_hf
     if spec.pipeline.mode == "async" or spec.resources.trainer_devices > 1:
-        _with_hf = bool(getattr(getattr(spec, "model", None), "path", None))
+        from runtime.models.hf_files import plain_config
+
+        path = getattr(getattr(spec, "model", None), "path", None)
+        _with_hf = bool(path) and plain_config(str(path)) is None  # a checkpoint the plain decoder does not load
         warm_up()

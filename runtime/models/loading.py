@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from runtime.models.configs import builtin_config
+from runtime.models.configs import DecoderConfig, builtin_config
 from runtime.models.decoder import DecoderForCausalLM
+from runtime.models.hf_files import WEIGHTS_FILE, plain_config
 from runtime.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,26 +36,60 @@ def build_builtin(name: str, dtype: torch.dtype, tokenizer: CharTokenizer) -> De
     return DecoderForCausalLM(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
 
 
+def load_checkpoint(path: Path, dtype: torch.dtype) -> Any:
+    """An HF model directory: the plain decoder where it computes the model exactly as transformers does
+    (``hf_files.plain_config``: a Qwen2 / Llama checkpoint such as a built-in's export), transformers'
+    ``from_pretrained(local_files_only=True)`` for anything else."""
+    config = plain_config(path)
+    if config is not None:
+        return load_directory(path, config, dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+
+
+def load_directory(directory: str | Path, config: DecoderConfig, dtype: torch.dtype) -> DecoderForCausalLM:
+    """The plain decoder with ``directory``'s weights in ``dtype`` (``config`` from ``hf_files.plain_config``).
+    Raises ValueError when the weights are not the ones ``config`` describes."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(directory) / WEIGHTS_FILE))
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # transformers ties it to the embedding whatever the file holds
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unknown:
+        raise ValueError(f"{WEIGHTS_FILE} does not fit its config.json: missing {missing[:5]}, unknown {unknown[:5]}")
+    for name, tensor in state.items():
+        want = model.get_parameter(name).shape
+        if tensor.shape != want:
+            raise ValueError(f"{WEIGHTS_FILE}: {name} is {tuple(tensor.shape)}, config.json says {tuple(want)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config)  # its frequencies are computed, not saved: off the meta device
+    return model
+
+
 def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> tuple[Any, CharTokenizer | HFTokenizer]:
     """The policy model and tokenizer described by ``model_spec`` (a runtime.spec.ModelSpec), on ``device``.
 
-    With ``path`` set the directory is loaded with transformers' ``from_pretrained(local_files_only=True)``
-    (any architecture); otherwise the named built-in architecture is the plain decoder
+    With ``path`` set the directory is loaded by :func:`load_checkpoint` (any architecture); otherwise the named built-in architecture is the plain decoder
     (``runtime.models.decoder``: no transformers import), initialised from ``seed`` without disturbing the
     global RNG, with the weights transformers would draw for that seed.
     """
     dtype = DTYPES[model_spec.dtype]
     model: Any  # a transformers PreTrainedModel or a DecoderForCausalLM
     if model_spec.path:
-        from transformers import AutoModelForCausalLM
-
         path = check_model_path(model_spec.path)
         try:
             tokenizer = CharTokenizer() if model_spec.tokenizer == "char" else load_tokenizer(path)
         except ValueError as exc:
             raise ModelError(str(exc)) from None
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+            model = load_checkpoint(path, dtype)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path: cannot load {path}: {exc}") from None
     else:

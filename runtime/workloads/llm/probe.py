@@ -60,15 +60,22 @@ class PublishedPolicy:
 
 def _skeleton(model_spec: Any) -> Any:
     """The policy's module tree on the ``meta`` device, as ``runtime.models.build_policy`` builds it: the
-    plain decoder for a built-in (no transformers import), transformers' class for a ``model.path``."""
+    plain decoder for a built-in or a checkpoint it computes exactly, transformers' class for another one."""
     from runtime.models import DTYPES, CharTokenizer, check_model_path
+    from runtime.models.decoder import DecoderForCausalLM
+    from runtime.models.hf_files import plain_config
     from runtime.models.loading import build_builtin
 
     dtype = DTYPES[model_spec.dtype]
     if model_spec.path:
-        from transformers import AutoConfig, AutoModelForCausalLM  # heavy import, only for an HF checkpoint
+        path = check_model_path(model_spec.path)
+        plain = plain_config(path)
+        if plain is not None:  # as load_checkpoint builds it
+            with torch.device("meta"):
+                return DecoderForCausalLM(plain.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+        from transformers import AutoConfig, AutoModelForCausalLM  # heavy import, only for another checkpoint
 
-        config = AutoConfig.from_pretrained(str(check_model_path(model_spec.path)), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.device("meta"):  # a built-in architecture always takes the char vocabulary
