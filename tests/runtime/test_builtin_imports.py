@@ -22,11 +22,13 @@ def _imported(stderr: str) -> set[str]:
     }
 
 
-def test_a_builtin_sync_run_imports_no_transformers_model_class(tmp_path):
-    out = tmp_path / "run"
+def transformers_model_modules(out, *overrides: str) -> list[str]:
+    """A one-step ``examples/grpo-sync.yaml`` run into ``out`` with ``overrides``, under ``-X importtime``:
+    the transformers model-class modules it imported."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "runtime", "run", "examples/grpo-sync.yaml", f"output_dir={out}"]
-        + OVERRIDES,
+        + OVERRIDES
+        + list(overrides),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,5 +38,8 @@ def test_a_builtin_sync_run_imports_no_transformers_model_class(tmp_path):
     assert (out / "metrics.jsonl").is_file()
     imported = _imported(proc.stderr)
     assert "torch" in imported and "runtime.models.decoder" in imported  # the listing is what it claims
-    models = sorted(m for m in imported if m.startswith("transformers.models") or m == "transformers.modeling_utils")
-    assert models == []
+    return sorted(m for m in imported if m.startswith("transformers.models") or m == "transformers.modeling_utils")
+
+
+def test_a_builtin_sync_run_imports_no_transformers_model_class(tmp_path):
+    assert transformers_model_modules(tmp_path / "run") == []

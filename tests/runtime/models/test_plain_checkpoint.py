@@ -5,8 +5,6 @@ classes; every other checkpoint still loads through transformers, so nothing is 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ from runtime.models import ModelError, build_policy, save_hf
 from runtime.models.decoder import DecoderForCausalLM
 from runtime.models.hf_files import plain_config
 from runtime.spec import ModelSpec
-from tests.runtime.helpers import ROOT
-from tests.runtime.test_builtin_imports import OVERRIDES, _imported
+from tests.runtime.test_builtin_imports import transformers_model_modules
 
 
 def _export(tmp_path, builtin: str = "tiny-qwen2", seed: int = 3):
@@ -121,20 +118,5 @@ def test_weights_that_do_not_fit_the_config_are_a_model_path_error(tmp_path):
 
 def test_a_run_from_an_exported_builtin_imports_no_transformers_model_class(tmp_path):
     _, directory = _export(tmp_path)
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "runtime", "run", "examples/grpo-sync.yaml", f"output_dir={out}"]
-        + OVERRIDES
-        + ["model.builtin=null", f"model.path={directory}", "model.tokenizer=char"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (out / "metrics.jsonl").is_file()
-    imported = _imported(proc.stderr)
-    assert "runtime.models.decoder" in imported
-    assert (
-        sorted(m for m in imported if m.startswith("transformers.models") or m == "transformers.modeling_utils") == []
-    )
+    overrides = ("model.builtin=null", f"model.path={directory}", "model.tokenizer=char")
+    assert transformers_model_modules(tmp_path / "run", *overrides) == []
