@@ -45,15 +45,18 @@ def make_engine(model, tok, slots: int) -> Engine:
 
 
 def hf_twin(model, tok):
-    """The same weights as transformers' own class (the built-ins are the plain decoder, which has no
-    ``generate()``): exported and loaded back, as a ``model.path`` run would load them."""
+    """The same weights in transformers' own class (the built-ins are the plain decoder, which has no
+    ``generate()``): exported, then loaded back by transformers itself (``build_policy`` would give the
+    plain decoder again for such a directory)."""
     import tempfile
+
+    from transformers import AutoModelForCausalLM
 
     from runtime.models import save_hf
 
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         save_hf(model, tok, tmp)
-        twin, _ = build_policy(ModelSpec(path=tmp), "cpu")
+        twin = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, dtype=model.dtype)
     return twin.eval()
 
 

@@ -5,8 +5,8 @@ model: ``config.json`` (``DecoderConfig.to_dict`` with the parameters' dtype), `
 and ``model.safetensors`` (metadata ``{"format": "pt"}``; a tied ``lm_head.weight`` left out, as
 transformers leaves it, which re-ties it on load). transformers, vLLM and ``build_policy`` load it.
 
-Reading (:func:`plain_config`; ``runtime.models.loading.load_directory`` loads it): a ``model.path`` directory whose config.json is
-one the plain decoder computes exactly as transformers does — a Qwen2 or Llama decoder with the default
+Reading (:func:`plain_config`; ``runtime.models.loading.load_directory`` loads the weights): a
+``model.path`` directory whose config.json is one the plain decoder computes exactly as transformers does — a Qwen2 or Llama decoder with the default
 RoPE, SiLU, no sliding window, biases where the architecture has them, every key known — and whose
 weights are one ``model.safetensors`` file. The built-ins' exports and SFT checkpoints (the demo's
 model) are such directories; anything else (another architecture, RoPE scaling, sharded weights, a key
@@ -65,7 +65,8 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # config.json keys that only describe (the decoder reads them, or they change nothing it computes)
 _FIELDS = {f for f in DecoderConfig.__dataclass_fields__ if f != "dtype"}
-_DESCRIPTIVE = {"architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "rope_theta"}
+_DESCRIPTIVE = {"architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+_DEFAULT_ROPE = {"rope_type", "rope_theta"}  # rope_parameters' keys with the default RoPE (transformers 5)
 _REQUIRED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings",
@@ -105,28 +106,16 @@ def plain_config(directory: str | Path) -> DecoderConfig | None:
             continue
         if key not in _NEUTRAL or (_NEUTRAL[key] and value not in _NEUTRAL[key]):
             return None
-    if data.get("use_sliding_window") and model_type == "qwen2":
-        return None
     if any(t != "full_attention" for t in data.get("layer_types") or ()):
         return None
     rope = data.get("rope_parameters") or {}
-    if (
-        not isinstance(rope, dict)
-        or rope.get("rope_type", "default") != "default"
-        or set(rope)
-        - {
-            "rope_type",
-            "rope_theta",
-        }
-    ):
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or set(rope) - _DEFAULT_ROPE:
         return None
     if not _REQUIRED <= set(data) or ("rope_theta" not in data and "rope_theta" not in rope):
         return None  # a default left out: transformers' defaults per architecture are not the plain config's
     fields = {k: v for k, v in data.items() if k in _FIELDS}
-    if "rope_theta" in rope:
+    if "rope_theta" in rope:  # transformers 5 keeps it there; 4 at the top level (one of _FIELDS)
         fields["rope_theta"] = rope["rope_theta"]
-    elif "rope_theta" in data:
-        fields["rope_theta"] = data["rope_theta"]
     try:
         config = DecoderConfig(**fields)
     except (TypeError, ValueError):

@@ -30,10 +30,17 @@ def check_model_path(path: str | Path) -> Path:
     return p
 
 
+def plain_decoder(config: DecoderConfig, dtype: torch.dtype) -> DecoderForCausalLM:
+    """The plain decoder of ``config`` with parameters in ``dtype`` (recorded in its config, as config.json
+    records it). Built under ``torch.device("meta")`` it is a storage-less skeleton; elsewhere its weights
+    are drawn from the global RNG."""
+    return DecoderForCausalLM(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+
+
 def build_builtin(name: str, dtype: torch.dtype, tokenizer: CharTokenizer) -> DecoderForCausalLM:
     """The built-in architecture ``name`` as the plain decoder (weights drawn from the global RNG)."""
     config = builtin_config(name, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
-    return DecoderForCausalLM(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+    return plain_decoder(config, dtype)
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype) -> Any:
@@ -55,7 +62,7 @@ def load_directory(directory: str | Path, config: DecoderConfig, dtype: torch.dt
 
     state = load_file(str(Path(directory) / WEIGHTS_FILE))
     with torch.device("meta"):
-        model = DecoderForCausalLM(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+        model = plain_decoder(config, dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding whatever the file holds
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -76,9 +83,10 @@ def load_directory(directory: str | Path, config: DecoderConfig, dtype: torch.dt
 def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> tuple[Any, CharTokenizer | HFTokenizer]:
     """The policy model and tokenizer described by ``model_spec`` (a runtime.spec.ModelSpec), on ``device``.
 
-    With ``path`` set the directory is loaded by :func:`load_checkpoint` (any architecture); otherwise the named built-in architecture is the plain decoder
-    (``runtime.models.decoder``: no transformers import), initialised from ``seed`` without disturbing the
-    global RNG, with the weights transformers would draw for that seed.
+    With ``path`` set the directory is loaded by :func:`load_checkpoint` (any architecture); otherwise the
+    named built-in architecture is the plain decoder (``runtime.models.decoder``: no transformers import),
+    initialised from ``seed`` without disturbing the global RNG, with the weights transformers would draw
+    for that seed.
     """
     dtype = DTYPES[model_spec.dtype]
     model: Any  # a transformers PreTrainedModel or a DecoderForCausalLM

@@ -62,9 +62,8 @@ def _skeleton(model_spec: Any) -> Any:
     """The policy's module tree on the ``meta`` device, as ``runtime.models.build_policy`` builds it: the
     plain decoder for a built-in or a checkpoint it computes exactly, transformers' class for another one."""
     from runtime.models import DTYPES, CharTokenizer, check_model_path
-    from runtime.models.decoder import DecoderForCausalLM
     from runtime.models.hf_files import plain_config
-    from runtime.models.loading import build_builtin
+    from runtime.models.loading import build_builtin, plain_decoder
 
     dtype = DTYPES[model_spec.dtype]
     if model_spec.path:
@@ -72,7 +71,7 @@ def _skeleton(model_spec: Any) -> Any:
         plain = plain_config(path)
         if plain is not None:  # as load_checkpoint builds it
             with torch.device("meta"):
-                return DecoderForCausalLM(plain.replace(dtype=str(dtype).removeprefix("torch.")), dtype=dtype)
+                return plain_decoder(plain, dtype)
         from transformers import AutoConfig, AutoModelForCausalLM  # heavy import, only for another checkpoint
 
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
