@@ -25,6 +25,7 @@ from runtime.models import build_policy, save_hf
 from runtime.rollout.engine import Engine, SamplingParams
 from runtime.samples import Prompt
 from runtime.tasks import Task, build_task
+from runtime.train.optimizer import AdamW
 
 SFT_METRICS_FILE = "sft_metrics.json"
 
@@ -105,7 +106,7 @@ def run_sft(
     examples = [encode_example(tok, p) for p in task.train_prompts()]
 
     model.train()
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=spec.trainer.weight_decay)
+    optim = AdamW(model.parameters(), lr=lr, weight_decay=spec.trainer.weight_decay)
     warmup = max(1, min(50, steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, steps, warmup))
     gen = torch.Generator().manual_seed(spec.seed)

@@ -88,6 +88,7 @@ from runtime.train.batches import (
     ResponseLayout,
     plan_micro_batches,
 )
+from runtime.train.optimizer import AdamW
 from runtime.train.parallel import LossScale, ParallelModel, load_shards, save_shards
 
 
@@ -166,14 +167,14 @@ class Trainer:
             else None
         )
         self.loss_scale = LossScale(tcfg.mixed_precision, self.device)
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = AdamW(
             [p for p in policy.parameters() if p.requires_grad], lr=tcfg.lr, weight_decay=tcfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(tcfg.warmup_steps))
         self.critic_optimizer = None
         self.critic_scheduler = None
         if self.critic is not None:
-            self.critic_optimizer = torch.optim.AdamW(
+            self.critic_optimizer = AdamW(
                 [p for p in self.critic.parameters() if p.requires_grad],
                 lr=tcfg.critic_lr,
                 weight_decay=tcfg.weight_decay,

@@ -1,6 +1,7 @@
 """A built-in model's run never imports transformers' model classes (the plain decoder, runtime/models/decoder.py,
-stands in for them): they cost a run seconds of start-up. Checked on a whole sync run through the CLI, with
-``-X importtime`` listing every module the process imported."""
+stands in for them), nor ``torch._dynamo`` (torch.optim's optimizers would: runtime/train/optimizer.py): each cost
+a run about a second of start-up. Checked on a whole sync run through the CLI, with ``-X importtime`` listing every
+module the process imported."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def _imported(stderr: str) -> set[str]:
     }
 
 
-def transformers_model_modules(out, *overrides: str) -> list[str]:
-    """A one-step ``examples/grpo-sync.yaml`` run into ``out`` with ``overrides``, under ``-X importtime``:
-    the transformers model-class modules it imported."""
+def imported_by_a_run(out, *overrides: str) -> set[str]:
+    """Every module a one-step ``examples/grpo-sync.yaml`` run into ``out`` with ``overrides`` imported
+    (``-X importtime``)."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "runtime", "run", "examples/grpo-sync.yaml", f"output_dir={out}"]
         + OVERRIDES
@@ -38,8 +39,15 @@ def transformers_model_modules(out, *overrides: str) -> list[str]:
     assert (out / "metrics.jsonl").is_file()
     imported = _imported(proc.stderr)
     assert "torch" in imported and "runtime.models.decoder" in imported  # the listing is what it claims
+    return imported
+
+
+def transformers_model_modules(imported: set[str]) -> list[str]:
     return sorted(m for m in imported if m.startswith("transformers.models") or m == "transformers.modeling_utils")
 
 
-def test_a_builtin_sync_run_imports_no_transformers_model_class(tmp_path):
-    assert transformers_model_modules(tmp_path / "run") == []
+def test_a_builtin_sync_run_imports_no_transformers_model_class_nor_dynamo(tmp_path):
+    imported = imported_by_a_run(tmp_path / "run")
+    assert transformers_model_modules(imported) == []
+    assert "runtime.train.optimizer" in imported  # the run trained
+    assert not any(m == "torch._dynamo" or m.startswith("torch._dynamo.") for m in imported)

@@ -48,6 +48,7 @@ from runtime.train.algos.control import (
     standardize,
     td_loss,
 )
+from runtime.train.optimizer import AdamW
 from runtime.workloads.gym import metric_names as N
 from runtime.workloads.gym.envs import SpaceInfo
 from runtime.workloads.gym.errors import LearnerError
@@ -141,8 +142,8 @@ class PPOLearner:
         generator = torch.Generator().manual_seed(seed)
         self.actor = build_actor(space, cfg.hidden, generator, cfg.activation, cfg.normalize_obs).to(self.device)
         self.critic = build_critic(space, cfg.hidden, generator, cfg.activation, cfg.normalize_obs).to(self.device)
-        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=cfg.actor_lr, eps=cfg.adam_eps)
-        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.critic_lr, eps=cfg.adam_eps)
+        self.actor_optimizer = AdamW(self.actor.parameters(), lr=cfg.actor_lr, eps=cfg.adam_eps, weight_decay=0.0)
+        self.critic_optimizer = AdamW(self.critic.parameters(), lr=cfg.critic_lr, eps=cfg.adam_eps, weight_decay=0.0)
         self.version = 0
         self.env_steps = 0
 
@@ -291,7 +292,7 @@ class DQNLearner:
         self._target_sync = TargetSync(
             self._target, self.q, cfg.tau, background=background_target_sync, nice=target_sync_nice
         )
-        self.optimizer = torch.optim.Adam(self.q.parameters(), lr=cfg.lr)
+        self.optimizer = AdamW(self.q.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.replay = ReplayBuffer(cfg.buffer_size, space.obs_dim, seed=seed * 1_000_003 + 1)
         self.version = 0
         self.env_steps = 0
