@@ -243,12 +243,14 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
 def child_tandem(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> None:
     """One Tandem run in ``cfg['mode']`` to the budget (the pipeline's ``stop`` hook)."""
     _set_one_thread()
+    from runtime import processes
     from runtime.contract import ACCURACY, RESPONSE_LEN_MEAN
     from runtime.pipeline import run
     from runtime.spec import load_spec
 
-    record["t_imported"] = time.time()
     spec = load_spec(cfg["spec"])
+    processes.fork_server_here(spec)  # as `python -m runtime run` does: children share this process's imports
+    record["t_imported"] = time.time()
     budget_end = launched + cfg["budget_s"]
     stamps: list[float] = []
     gen_tokens: list[int] = []

@@ -134,11 +134,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from runtime import processes
 
     spec = load_spec(args.spec, args.overrides)
-    processes.warm_up_for(spec)  # before torch is imported here: the two imports overlap
+    resume = preflight(spec, args.resume)
+    processes.fork_server_here(spec)  # now, with one thread and no device opened: children share our imports
 
     from runtime.pipeline import run
 
-    resume = preflight(spec, args.resume)
     result = run(spec, resume=resume)
     summary = {k: result[k] for k in ("mode", "steps", "output_dir", "checkpoint")}
     summary["final"] = result["metrics"]
@@ -276,6 +276,7 @@ def _cmd_trainer_ranks(args: argparse.Namespace) -> int:
 
 
 def _cmd_role(args: argparse.Namespace) -> int:
+    from runtime import processes
     from runtime.devices import resolve_device
     from runtime.managed import entry as role
 
@@ -288,9 +289,11 @@ def _cmd_role(args: argparse.Namespace) -> int:
         return run_beside(spec, env, options.workdir)
     if options.role == "trainer-ranks":
         ranks = role.trainer_ranks(spec, os.environ)
+        processes.fork_server_here(spec)  # before a device is opened or a thread started (runtime.processes)
         resolve_device(spec.resources.device, len(ranks) - 1)  # one device per rank, in rank order
         return role.run_trainer_ranks(spec, env, ranks)
     preflight(spec)
+    processes.fork_server_here(spec)
     resume = role.find_resume(options.workdir) if options.resume == "auto" else None
     summary = role.run_trainer(spec, env, options.workdir, resume)
     print(json.dumps(summary))  # the last stdout line: what the platform's launcher reads

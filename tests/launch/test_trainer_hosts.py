@@ -216,7 +216,8 @@ RUN_S = 240.0  # ceiling for each wait on a loaded machine (three ranks, a rollo
 
 def _rank_processes(role: RunRole) -> list[int]:
     """The trainer rank processes a further trainer role started under its runtime process: forked by its fork
-    server (runtime/processes.py), or spawned by it under TANDEM_START_METHOD=spawn."""
+    server (runtime/processes.py: a fork of the runtime process, or a fresh ``forkserver`` interpreter), or
+    spawned by it under TANDEM_START_METHOD=spawn."""
     from pathlib import Path
 
     def children(pid: int) -> list[int]:
@@ -234,10 +235,10 @@ def _rank_processes(role: RunRole) -> list[int]:
     ranks = []
     for runtime in children(role.pid):  # the wrapper's child: python -m runtime role trainer-ranks
         for child in children(runtime):
-            if b"forkserver" in cmdline(child):  # its children are the ranks (they share its command line)
-                ranks.extend(children(child))
-            elif b"spawn_main" in cmdline(child):
+            if b"spawn_main" in cmdline(child):
                 ranks.append(child)
+            elif b"resource_tracker" not in cmdline(child):  # the fork server: its children are the ranks
+                ranks.extend(children(child))
     return ranks
 
 
