@@ -76,7 +76,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        # On the meta device (a skeleton) computed on the host: a meta arange runs torch's Python reference,
+        # which imports sympy and more (start-up); the skeleton's owner rebuilds this module anyway.
+        where = "cpu" if _building_on_meta() else None
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=where) / dim))
         self.inv_freq: Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -203,13 +206,27 @@ class _Checkpointable:
         return any(getattr(m, "gradient_checkpointing", False) for m in self.modules())  # type: ignore[attr-defined]
 
 
+def _building_on_meta() -> bool:
+    """Whether modules are being built on the meta device (``with torch.device("meta")``: a skeleton)."""
+    return torch.empty(0).is_meta
+
+
+def _embedding(rows: int, width: int, padding_idx: int | None, dtype: torch.dtype | None) -> nn.Embedding:
+    """``nn.Embedding``; built on the meta device (a skeleton) without its default initialisation: a meta
+    ``normal_`` runs torch's Python reference of it, which imports ``torch._dynamo`` (a second of start-up).
+    Elsewhere its default draws stay: they keep the random stream, and so the weights, transformers'."""
+    if _building_on_meta():
+        return nn.Embedding(rows, width, padding_idx, _weight=torch.empty(rows, width, dtype=dtype))
+    return nn.Embedding(rows, width, padding_idx, dtype=dtype)
+
+
 class DecoderModel(_Checkpointable, nn.Module):
     """The backbone (HF's ``Qwen2Model`` / ``LlamaModel``): embeddings, layers, final norm -> hidden states."""
 
     def __init__(self, config: DecoderConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id, dtype=dtype)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size, config.pad_token_id, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config)

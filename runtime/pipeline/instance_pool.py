@@ -54,7 +54,7 @@ class InstancePool:
     # ---- local instances ----
     def share_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Lay out the shared-memory weight buffers local instances read; before the first spawn."""
-        self.shared = self.ctx.weights.shared_handle(state, self.mp)
+        self.shared = self.ctx.weights.shared_handle(state, self.mp, readers=self.ctx.spec.resources.rollout_workers)
 
     def spawn_local(self) -> None:
         for rank in range(self.ctx.spec.resources.rollout_workers):

@@ -51,11 +51,11 @@ class _Layer:
         self.ln1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.ln2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv_w = torch.cat([m.weight for m in projs])
-        self.qkv_b = torch.cat([m.bias for m in projs]) if projs[0].bias is not None else None
+        self.qkv_w = _joined([m.weight for m in projs])
+        self.qkv_b = _joined([m.bias for m in projs]) if projs[0].bias is not None else None
         self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
+        self.gate_up_w = _joined([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up_b = _joined([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
         # The module call costs more than SiLU itself on small batches; call the function directly.
         self.act = F.silu if isinstance(mlp.act_fn, torch.nn.SiLU) else mlp.act_fn
@@ -79,6 +79,27 @@ class _Layer:
                 param = getattr(m, attr)
                 param.data = fused[start : start + param.shape[0]]
                 start += param.shape[0]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` (along rows); a view, no copy, when the parts already lie one after the other in one
+    storage — parameters bound to the weight service's shared buffer (runtime.weights.service.shared_layout)."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for part in parts:
+        adjacent = (
+            part.is_contiguous()
+            and part.dtype == first.dtype
+            and part.shape[1:] == first.shape[1:]
+            and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and part.storage_offset() == offset
+        )
+        if not adjacent:
+            return torch.cat(parts)
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    size = (rows, *first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), size, first.stride())
 
 
 def _rms_norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:

@@ -6,14 +6,22 @@ Every published weight set gets a version, strictly increasing over the run.
   generation engine *is* the trainer's model, so publishing moves only the
   version number — zero copy, zero sync cost.
 * Disaggregated on one host (:meth:`WeightService.shared_handle`): the
-  trainer copies each new version into one shared-memory buffer;
-  :class:`WeightSubscriber` in a rollout process keeps a *current* version (the
-  weights its engine uses) and sees the *latest available* one, and switches
-  only when asked to, at a batch boundary. A lock keeps a reader from seeing a
-  half-written buffer; a reader records its pid while it holds the lock, so
-  that the lock of a reader killed mid-copy (SIGKILL, OOM killer) is released
-  on its behalf (:meth:`WeightService.reader_gone`, :meth:`~WeightService.reader_died`)
-  instead of blocking the trainer and the other readers for ever.
+  trainer copies each new version into one shared-memory buffer (one storage per
+  dtype; siblings' same-named parameters side by side, so a reader can use q/k/v
+  or gate/up as one fused tensor without a copy). :class:`WeightSubscriber` in a
+  rollout process reads it one of two ways. *Copying* (an engine on an
+  accelerator): it keeps a *current* version in its engine's own tensors and
+  switches only when asked to, at a batch boundary, copying under the buffer's
+  lock. *In place* (an engine on the host): the engine's parameters are the
+  buffer's tensors — one copy of the weights on the host however many instances
+  read them — and each engine step runs inside :meth:`WeightSubscriber.reading`,
+  which marks the reader's slot; a publish takes the lock (no new step starts)
+  and waits for the marked steps to end before it writes. A reader records its
+  pid while it holds the lock or a slot, so that what a reader killed there
+  (SIGKILL, OOM killer) holds is released on its behalf
+  (:meth:`WeightService.reader_gone`, :meth:`~WeightService.reader_died`)
+  instead of blocking the trainer and the other readers for ever; one frozen
+  there is reported to :attr:`WeightService.on_wait` while a publish waits.
 * Disaggregated across hosts (:attr:`WeightService.on_publish`): each version is handed to the
   remote rollout links (:mod:`runtime.rollout.link`), which push it to their instances newest-wins.
 * Rollback: the last ``keep`` published versions are kept on the host;
@@ -29,7 +37,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +60,19 @@ class WeightError(RuntimeError):
 class SharedWeights:
     """What a rollout process needs to follow published weights (picklable across spawn)."""
 
-    tensors: State  # shared-memory buffer, one tensor per parameter
-    meta: torch.Tensor  # shared int64 [latest version, pid of the reader holding the lock or 0]
+    tensors: State  # shared-memory buffer, one tensor per parameter (views of one storage per dtype)
+    # shared int64 [latest version, pid of the reader holding the lock or 0, then per in-place reader slot
+    # the pid of the reader inside a step or 0]
+    meta: torch.Tensor
     lock: Any  # a multiprocessing lock guarding buffer + meta
 
+    @property
+    def reader_slots(self) -> int:
+        """How many in-place readers (:meth:`WeightSubscriber.reading`) the buffer has room for."""
+        return self.meta.numel() - READERS
 
-VERSION, HOLDER = 0, 1  # indices into SharedWeights.meta
+
+VERSION, HOLDER, READERS = 0, 1, 2  # indices into SharedWeights.meta (READERS: the first reader slot)
 # A lock held this long with no holder recorded: its reader died between acquiring it and
 # recording its pid (or between clearing it and releasing); a live reader records it at once.
 STUCK_S = 2.0
@@ -85,13 +101,14 @@ class WeightService:
         """Versions available for rollback, oldest first."""
         return list(self._history)
 
-    def shared_handle(self, like: State, ctx: Any = None) -> SharedWeights:
-        """Create (once) the shared-memory buffer for rollout processes, shaped like ``like``."""
+    def shared_handle(self, like: State, ctx: Any = None, readers: int = 0) -> SharedWeights:
+        """Create (once) the shared-memory buffer for rollout processes, shaped like ``like`` and holding its
+        values, with ``readers`` in-place reader slots (:meth:`WeightSubscriber.reading`)."""
         if self._shared is None:
             ctx = ctx or processes.context()
-            tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in like.items()}
-            meta = torch.tensor([self._version, 0], dtype=torch.int64).share_memory_()
-            self._shared = SharedWeights(tensors=tensors, meta=meta, lock=ctx.Lock())
+            meta = torch.zeros(READERS + readers, dtype=torch.int64)
+            meta[VERSION] = self._version
+            self._shared = SharedWeights(tensors=shared_layout(like), meta=meta.share_memory_(), lock=ctx.Lock())
         return self._shared
 
     def publish(self, state: State | None, version: int | None = None) -> int:
@@ -140,14 +157,29 @@ class WeightService:
         missing = set(shared.tensors) ^ set(state)
         if missing:
             raise WeightError(f"published weights differ from the shared buffer in: {sorted(missing)[:5]}")
-        self._acquire(shared)
+        self._acquire(shared)  # no reader starts a step or a copy from here on
         try:
+            self._wait_for_steps(shared)
             with torch.no_grad():
                 for name, buf in shared.tensors.items():
                     buf.copy_(state[name])
                 shared.meta[VERSION] = version
         finally:
             shared.lock.release()
+
+    def _wait_for_steps(self, shared: SharedWeights, poll: float = 0.0005, max_poll: float = 0.01) -> None:
+        """Wait until no in-place reader is inside a step (they end within an engine step; one that died there
+        is cleared by reader_gone, one frozen there is reported to on_wait each 0.1 s, its owner may kill it)."""
+        readers = shared.meta[READERS:]
+        reported = time.monotonic()
+        while bool(readers.any()):
+            time.sleep(poll)
+            poll = min(2 * poll, max_poll)
+            if self.on_wait is not None and time.monotonic() - reported >= 0.1:
+                reported = time.monotonic()
+                for pid in readers.tolist():
+                    if pid:
+                        self.on_wait(int(pid))
 
     def _acquire(self, shared: SharedWeights) -> None:
         """Take the buffer's lock; one held with no holder recorded for STUCK_S is released first."""
@@ -186,6 +218,8 @@ class WeightService:
         if shared is None:
             return
         with self._recover:
+            readers = shared.meta[READERS:]
+            readers[readers == pid] = 0  # it died inside a step: a publish must not wait for it to end
             if int(shared.meta[HOLDER]) == pid:  # it died while copying: it can never clear this
                 shared.meta[HOLDER] = 0
                 shared.lock.release()
@@ -243,6 +277,22 @@ class WeightSubscriber:
             poll = min(2 * poll, max_poll)
         return True
 
+    @contextmanager
+    def reading(self, slot: int) -> Iterator[int]:
+        """In place: the buffer's weights stay as they are for the block (a publish waits for it to end);
+        yields their version. ``slot``: this reader's own, below ``shared.reader_slots``."""
+        meta = self.shared.meta
+        if not 0 <= slot < self.shared.reader_slots:
+            raise WeightError(f"reader slot {slot} is not one of the buffer's {self.shared.reader_slots}")
+        with self.shared.lock:  # taken between publishes only: the weights are whole
+            meta[READERS + slot] = os.getpid()
+            version = int(meta[VERSION])
+        try:
+            yield version
+        finally:
+            meta[READERS + slot] = 0
+        self.current_version = version
+
     def switch(self, apply: Callable[[State, int], None]) -> int | None:
         """At a batch boundary: if a newer version is available, hand it to ``apply``.
 
@@ -261,6 +311,44 @@ class WeightSubscriber:
                 self.shared.meta[HOLDER] = 0
         self.current_version = version
         return version
+
+
+def shared_layout(like: State) -> State:
+    """Shared-memory copies of ``like``'s tensors, as views of one storage per dtype.
+
+    Ordered so that parameters of the same name in sibling modules lie side by side in their modules' order —
+    ``layers.0.self_attn.{q,k,v}_proj.weight``, then their biases; ``mlp.{gate,up}_proj.weight`` — which lets
+    an in-place reader use each run of them as one fused matrix, a view (runtime.rollout.runners.FastRunner).
+    Names of one tensor (tied embeddings) share one view: a reader binding them stays tied."""
+    names: list[str] = []
+    same_as: dict[str, str] = {}  # a tied parameter (one tensor under two names) is one view under both
+    first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, t in like.items():
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+        if key in first:
+            same_as[name] = first[key]
+        else:
+            first[key] = name
+            names.append(name)
+
+    def place(i: int) -> tuple[str, str, int]:
+        module, _, leaf = names[i].rpartition(".")
+        return module.rpartition(".")[0], leaf, i  # (the module's parent, the parameter's name, its order)
+
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for i in sorted(range(len(names)), key=place):
+        by_dtype.setdefault(like[names[i]].dtype, []).append(names[i])
+    out: State = {}
+    for dtype, group in by_dtype.items():
+        storage = torch.empty(sum(like[n].numel() for n in group), dtype=dtype).share_memory_()
+        offset = 0
+        for name in group:
+            src = like[name].detach()
+            view = storage[offset : offset + src.numel()].view(src.shape)
+            view.copy_(src)
+            out[name] = view
+            offset += src.numel()
+    return {name: out[same_as.get(name, name)] for name in like}  # the caller's names and order
 
 
 def copy_into(model: torch.nn.Module) -> Callable[[State, int], None]:

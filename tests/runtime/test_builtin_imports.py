@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.runtime.helpers import ROOT
 
 # bench/startup.py's overrides, one step
@@ -46,8 +48,15 @@ def transformers_model_modules(imported: set[str]) -> list[str]:
     return sorted(m for m in imported if m.startswith("transformers.models") or m == "transformers.modeling_utils")
 
 
-def test_a_builtin_sync_run_imports_no_transformers_model_class_nor_dynamo(tmp_path):
-    imported = imported_by_a_run(tmp_path / "run")
+def imports_dynamo(imported: set[str]) -> bool:
+    return any(m == "torch._dynamo" or m.startswith("torch._dynamo.") or m == "sympy" for m in imported)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_builtin_run_imports_no_transformers_model_class_nor_dynamo(tmp_path, mode):
+    """async: the trainer also builds the probe's and evaluator's meta-device skeleton (PublishedPolicy), whose
+    default initialisation would run torch's Python references of normal_ and arange (torch._dynamo, sympy)."""
+    imported = imported_by_a_run(tmp_path / "run", f"pipeline.mode={mode}")
     assert transformers_model_modules(imported) == []
     assert "runtime.train.optimizer" in imported  # the run trained
-    assert not any(m == "torch._dynamo" or m.startswith("torch._dynamo.") for m in imported)
+    assert not imports_dynamo(imported)

@@ -5,8 +5,12 @@ The instance keeps one :class:`~runtime.rollout.batcher.ContinuousBatcher` busy 
 Work arrives as messages of groups (one prompt each, ``group_size`` sequences) and is fed to the
 batcher as it comes, so a finished sequence's slot is refilled at the next engine step with the
 next request of *any* message: one long sample no longer holds a batch, nor a message its
-successors. New weights are taken at every engine step (:meth:`WeightSubscriber.switch`), so
-sequences in flight continue under them; each token records the version that produced it.
+successors. New weights are taken at every engine step, so sequences in flight continue under them;
+each token records the version that produced it. An instance computing on the host reads the weight
+service's shared buffer *in place* — its engine's parameters are the buffer's tensors, no copy of its
+own and no model built or loaded — and runs each engine step inside :meth:`WeightSubscriber.reading`
+(a publish waits for the step to end); one on an accelerator copies each new version into its engine
+(:meth:`WeightSubscriber.switch`). ``TANDEM_SHARED_WEIGHTS=copy`` makes a host instance copy too.
 
 A group is complete when its ``group_size`` sequences are; it is then scored — by the task's
 verifier at once, or by the remote reward service on a thread pool so generation never waits for
@@ -33,17 +37,21 @@ from __future__ import annotations
 import os
 import queue as std_queue
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from runtime.rollout.engine import Engine
 from runtime.rollout.wire import BEAT_S, EPOCH, shm_prefix, to_bytes, trainer_pid
 from runtime.samples import Sample
 from runtime.workloads.llm.data import WorkItem
 from runtime.workloads.llm.generation import batch_seed, make_samples, reward_scores
-from runtime.workloads.llm.models import build_engine, build_task
+from runtime.workloads.llm.models import build_engine, build_task, engine_tokenizer
+from runtime.workloads.llm.probe import PublishedPolicy
 
 
 @dataclass
@@ -72,12 +80,14 @@ class RolloutInstance:
         conn: Any,
         flags: Any,
         shm: bool = True,
+        in_place: bool = False,
     ):
         from runtime.rollout import sampling_params
         from runtime.rollout.transfer import Aggregator, sample_nbytes
 
         self.rank, self.spec, self.engine, self.tokenizer, self.task = rank, spec, engine, tokenizer, task
         self.sub, self.conn, self.flags = sub, conn, flags
+        self.in_place = in_place  # the engine's parameters are the shared buffer's tensors
         self.G = spec.algorithm.group_size
         self.params = sampling_params(spec.rollout, n=1, stop_ids=tokenizer.stop_ids)
         self.batcher: Any = None  # built at the first group, seeded from its issue index
@@ -260,11 +270,11 @@ class RolloutInstance:
             except std_queue.Empty:
                 pass
             self.forget_old_epochs()
-            self.sub.switch(self.engine.update_weights)  # the next engine step runs on the newest weights
-            self.release_held()
-            if self.batcher is not None and not self.batcher.idle:
-                with torch.no_grad():
-                    self.step()
+            with self.newest_weights():  # the next engine step runs on them
+                self.release_held()
+                if self.batcher is not None and not self.batcher.idle:
+                    with torch.no_grad():
+                        self.step()
             self.collect_rewards(wait=0.05 if self.scoring and self.batcher.idle else 0.0)
             if self.out.due() or (self.out.entries and self.idle()):
                 self.send()
@@ -273,15 +283,59 @@ class RolloutInstance:
                 self.sub.wait_for(min(g.item.min_version for g in self.held), timeout=0.2)
                 self.throttled_s += time.perf_counter() - waited
 
+    @contextmanager
+    def newest_weights(self) -> Iterator[None]:
+        """The engine on the newest published weights for the block: copied in when they are new, or (in place)
+        held as they are in the shared buffer, only while there is work: an idle instance never holds a publish."""
+        if not self.in_place:
+            self.sub.switch(self.engine.update_weights)
+            yield
+            return
+        if not self.held and (self.batcher is None or self.batcher.idle):
+            yield
+            return
+        with self.sub.reading(self.rank) as version:
+            if version != self.engine.version:
+                self.engine.update_weights(None, version)  # no copy: the parameters are the buffer
+            yield
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def build_instance(rank: int, spec: Any, device: torch.device, sub: Any, conn: Any, flags: Any) -> RolloutInstance:
-    """A spawned instance's side: its engine (with weights of its own), the task."""
-    engine = build_engine(None, None, device, spec)
-    return RolloutInstance(rank, spec, engine, engine.tokenizer, build_task(spec), sub, conn, flags)
+    """A spawned instance's side: its engine — over the shared buffer's tensors where it can read them in
+    place, else with weights of its own — and the task."""
+    engine = engine_on_shared_weights(spec, device, None if sub is None else sub.shared, rank)
+    in_place = engine is not None
+    if engine is None:
+        engine = build_engine(None, None, device, spec)
+    return RolloutInstance(rank, spec, engine, engine.tokenizer, build_task(spec), sub, conn, flags, in_place=in_place)
+
+
+def engine_on_shared_weights(spec: Any, device: torch.device, shared: Any | None, rank: int) -> Engine | None:
+    """An engine whose parameters are ``shared``'s tensors (runtime.weights.service.SharedWeights), built without
+    building or loading a model (the module tree on the meta device, bound to them); None where it cannot read
+    them in place: an accelerator (its weights live on the device), vLLM, no reader slot for ``rank``, a buffer
+    in another dtype than ``model.dtype``, or ``TANDEM_SHARED_WEIGHTS=copy``."""
+    mode = os.environ.get("TANDEM_SHARED_WEIGHTS", "")
+    if mode not in ("", "in_place", "copy"):
+        raise ValueError(f"TANDEM_SHARED_WEIGHTS: {mode!r} is not in_place or copy")
+    if mode == "copy" or shared is None or rank >= shared.reader_slots:
+        return None
+    if device.type != "cpu" or spec.rollout.engine != "builtin":
+        return None
+    policy = PublishedPolicy(spec.model, device)
+    model = policy.bind(shared.tensors)
+    bound = model.state_dict()
+    if any(bound[name].data_ptr() != tensor.data_ptr() for name, tensor in shared.tensors.items()):
+        policy.release()  # .to() converted some: they would be copies, never updated
+        return None
+    r = spec.rollout
+    engine = Engine(model, engine_tokenizer(spec), device, r.max_batch_size, r.max_batch_tokens, owns_model=True)
+    engine.version = -1  # no work runs before the first reading
+    return engine
 
 
 class RemoteLLMRollout:

@@ -85,9 +85,8 @@ def build_engine(
 
 
 def engine_tokenizer(spec: RunSpec) -> Any:
-    """The tokenizer of ``model.path`` as ``build_policy`` would pick it, without loading the model."""
-    assert spec.model.path is not None
-    if spec.model.tokenizer == "char":
+    """The tokenizer ``build_policy`` would give ``spec.model``, without building the model."""
+    if spec.model.path is None or spec.model.tokenizer == "char":  # a built-in takes the char vocabulary
         return CharTokenizer()
     try:
         return load_tokenizer(check_model_path(spec.model.path))

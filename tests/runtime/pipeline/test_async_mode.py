@@ -123,7 +123,9 @@ def test_a_hung_instance_is_killed_and_replaced_and_nothing_is_lost(tmp_path, mo
     stopped = []
     buffers = []
     shared_handle = WeightService.shared_handle
-    monkeypatch.setattr(WeightService, "shared_handle", lambda *a: buffers.append(shared_handle(*a)) or buffers[-1])
+    monkeypatch.setattr(
+        WeightService, "shared_handle", lambda *a, **kw: buffers.append(shared_handle(*a, **kw)) or buffers[-1]
+    )
 
     def stop(step, metrics):
         if step == 2:  # freeze it: alive, holding work, silent

@@ -179,7 +179,7 @@ def test_an_unmeasured_instance_is_assumed_as_fast_as_the_measured_ones():
 class InstanceHarness:
     """A RolloutInstance on the tiny model: real engine, shared weights, pipe and work queue; its loop in a thread."""
 
-    def __init__(self, tmp_path, **over):
+    def __init__(self, tmp_path, in_place: bool = False, **over):
         import queue
         import threading
         from multiprocessing import Pipe
@@ -187,22 +187,27 @@ class InstanceHarness:
         from runtime.models import build_policy
         from runtime.weights.service import WeightService, WeightSubscriber
         from runtime.workloads.llm import build_engine, build_task
-        from runtime.workloads.llm.instance import RolloutInstance
+        from runtime.workloads.llm.instance import RolloutInstance, engine_on_shared_weights
         from tests.runtime.helpers import TINY, tiny_spec
 
         self.spec = tiny_spec(tmp_path, "inst", TINY, pipeline__mode="async", pipeline__transfer_window_s=0.0, **over)
         policy, tok = build_policy(self.spec.model, "cpu", seed=self.spec.seed)
         self.weights = WeightService(keep=0)
         ctx = torch.multiprocessing.get_context("spawn")
-        shared = self.weights.shared_handle(policy.state_dict(), ctx)
+        shared = self.weights.shared_handle(policy.state_dict(), ctx, readers=1)
         self.weights.initialize(policy.state_dict())
         self.state = policy.state_dict()
         self.flags = ctx.RawArray("q", 2)
         self.recv, send = Pipe(duplex=False)
         self.work: queue.Queue = queue.Queue()
-        engine = build_engine(policy, tok, torch.device("cpu"), self.spec)
+        if in_place:  # the engine's parameters are the shared buffer's tensors
+            engine = engine_on_shared_weights(self.spec, torch.device("cpu"), shared, 0)
+            assert engine is not None
+        else:
+            engine = build_engine(policy, tok, torch.device("cpu"), self.spec)
         sub = WeightSubscriber(shared, current_version=-1)
-        self.instance = RolloutInstance(0, self.spec, engine, tok, build_task(self.spec), sub, send, self.flags)
+        task = build_task(self.spec)
+        self.instance = RolloutInstance(0, self.spec, engine, tok, task, sub, send, self.flags, in_place=in_place)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.instance.run, args=(self.work, self.stop.is_set), daemon=True)
         self.thread.start()
@@ -240,8 +245,9 @@ def items(*specs):
     ]
 
 
-def test_an_instance_holds_a_group_until_its_weights_and_streams_the_others(tmp_path):
-    h = InstanceHarness(tmp_path)
+@pytest.mark.parametrize("in_place", [False, True], ids=["copying", "in-place"])
+def test_an_instance_holds_a_group_until_its_weights_and_streams_the_others(tmp_path, in_place):
+    h = InstanceHarness(tmp_path, in_place=in_place)
     try:
         h.send(items((0, 0), (1, 1), (2, 0)))  # group 1 needs weights version 1, not published yet
         first = h.results(2)
