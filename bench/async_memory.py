@@ -37,6 +37,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness import children
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("fresh+copy", "forked+copy", "forked+in_place")
 LIBRARY_RUN = (
@@ -94,16 +96,6 @@ def spec_file(path: Path, model_dir: Path, out: Path, instances: int, steps: int
     path.write_text(json.dumps(spec))
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        pass  # exited meanwhile
-    return out
-
-
 def _smaps(pid: int) -> dict[str, int]:
     """kB figures of /proc/<pid>/smaps_rollup."""
     out = {}
@@ -139,7 +131,7 @@ class TreeSampler:
                 if depth == 2:
                     uss = figures["Private_Clean"] + figures["Private_Dirty"]
                     self.rollout_uss_kb[pid] = max(self.rollout_uss_kb.get(pid, 0), uss)
-                frontier += [(c, depth + 1) for c in _children(pid)]
+                frontier += [(c, depth + 1) for c in children(pid)]
             self.peak_pss_kb = max(self.peak_pss_kb, pss)
             self.done.wait(self.interval)
 

@@ -60,6 +60,17 @@ def tree_cpu_s(root_pid: int) -> float | None:
     return sum(cpu_of[pid] for pid in tree)
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (Linux /proc); none once it has exited."""
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass  # exited meanwhile
+    return out
+
+
 def loadavg() -> str:
     """The 1, 5 and 15 minute load averages: the machine is shared, so figures come with its load."""
     try:

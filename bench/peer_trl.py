@@ -64,6 +64,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import children, loadavg
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -281,23 +283,6 @@ def child_main(system: str, config_path: str, launched: float, out_path: str) ->
 # --------------------------------------------------------------------------------------------- parent
 
 
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        pass  # exited meanwhile
-    return out
-
-
 def _pss_bytes(pid: int) -> int:
     """Proportional set size: private pages plus each shared page divided among its sharers."""
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -318,7 +303,7 @@ def tree_memory_bytes(root: int) -> tuple[int, int]:
             pss += _pss_bytes(pid)
         except (OSError, IndexError, ValueError):
             continue
-        frontier += _children(pid)
+        frontier += children(pid)
     return rss, pss
 
 
