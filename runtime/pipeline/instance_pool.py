@@ -27,6 +27,7 @@ from runtime.rollout.transfer import sweep
 from runtime.rollout.wire import EPOCH, STOP, shm_prefix
 from runtime.sample_queue import SampleQueue
 from runtime.spec import RunSpec
+from runtime.weights.service import shared_weights_mode
 
 
 class InstancePool:
@@ -54,6 +55,7 @@ class InstancePool:
     # ---- local instances ----
     def share_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Lay out the shared-memory weight buffers local instances read; before the first spawn."""
+        shared_weights_mode()  # a bad TANDEM_SHARED_WEIGHTS fails the run here, not in every instance
         self.shared = self.ctx.weights.shared_handle(state, self.mp, readers=self.ctx.spec.resources.rollout_workers)
 
     def spawn_local(self) -> None:

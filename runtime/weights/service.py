@@ -313,6 +313,15 @@ class WeightSubscriber:
         return version
 
 
+def shared_weights_mode() -> str:
+    """How host rollout instances read the shared buffer: ``in_place`` (the default) or ``copy``, from
+    ``TANDEM_SHARED_WEIGHTS`` (to compare the two); anything else is refused naming the variable."""
+    mode = os.environ.get("TANDEM_SHARED_WEIGHTS", "") or "in_place"
+    if mode not in ("in_place", "copy"):
+        raise WeightError(f"TANDEM_SHARED_WEIGHTS: {mode!r} is not in_place or copy")
+    return mode
+
+
 def shared_layout(like: State) -> State:
     """Shared-memory copies of ``like``'s tensors, as views of one storage per dtype.
 

@@ -48,6 +48,7 @@ import torch
 from runtime.rollout.engine import Engine
 from runtime.rollout.wire import BEAT_S, EPOCH, shm_prefix, to_bytes, trainer_pid
 from runtime.samples import Sample
+from runtime.weights.service import shared_weights_mode
 from runtime.workloads.llm.data import WorkItem
 from runtime.workloads.llm.generation import batch_seed, make_samples, reward_scores
 from runtime.workloads.llm.models import build_engine, build_task, engine_tokenizer
@@ -319,10 +320,7 @@ def engine_on_shared_weights(spec: Any, device: torch.device, shared: Any | None
     building or loading a model (the module tree on the meta device, bound to them); None where it cannot read
     them in place: an accelerator (its weights live on the device), vLLM, no reader slot for ``rank``, a buffer
     in another dtype than ``model.dtype``, or ``TANDEM_SHARED_WEIGHTS=copy``."""
-    mode = os.environ.get("TANDEM_SHARED_WEIGHTS", "")
-    if mode not in ("", "in_place", "copy"):
-        raise ValueError(f"TANDEM_SHARED_WEIGHTS: {mode!r} is not in_place or copy")
-    if mode == "copy" or shared is None or rank >= shared.reader_slots:
+    if shared_weights_mode() == "copy" or shared is None or rank >= shared.reader_slots:
         return None
     if device.type != "cpu" or spec.rollout.engine != "builtin":
         return None

@@ -9,7 +9,7 @@ import torch
 
 from runtime.models import build_policy
 from runtime.rollout import sampling_params
-from runtime.weights.service import WeightService, WeightSubscriber
+from runtime.weights.service import WeightError, WeightService, WeightSubscriber
 from runtime.workloads.llm.instance import engine_on_shared_weights
 from runtime.workloads.llm.models import build_engine
 from tests.runtime.helpers import TINY, tiny_spec
@@ -93,5 +93,17 @@ def test_the_engine_copies_where_it_cannot_read_in_place(tmp_path, monkeypatch, 
 def test_a_bad_shared_weights_setting_is_refused_by_name(tmp_path, monkeypatch):
     spec, _, _, _, shared = _setup(tmp_path)
     monkeypatch.setenv("TANDEM_SHARED_WEIGHTS", "mmap")
-    with pytest.raises(ValueError, match="TANDEM_SHARED_WEIGHTS: 'mmap' is not in_place or copy"):
+    with pytest.raises(WeightError, match="TANDEM_SHARED_WEIGHTS: 'mmap' is not in_place or copy"):
         engine_on_shared_weights(spec, CPU, shared, 0)
+
+
+def test_a_bad_shared_weights_setting_fails_an_async_run_before_any_instance_starts(tmp_path, monkeypatch):
+    from runtime.pipeline import run
+
+    spec = tiny_spec(tmp_path, "bad-mode", TINY, pipeline__mode="async", pipeline__steps=2)
+    monkeypatch.setenv("TANDEM_SHARED_WEIGHTS", "mmap")
+    with pytest.raises(WeightError, match="TANDEM_SHARED_WEIGHTS: 'mmap' is not in_place or copy"):
+        run(spec)
+    metrics = tmp_path / "bad-mode" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    assert not any('"time/step"' in line for line in lines)  # no step ran
