@@ -205,9 +205,11 @@ def _rows_longest_first(samples: list[Sample], units: list[list[int]]) -> list[t
     return sorted(rows, key=lambda row: (-_continuation(samples, row[0]), row[1], row[0]))
 
 
-def shared_prefix_cost(samples: list[Sample], units: list[list[int]]) -> int:
-    """Tokens one shared-prefix micro-batch of ``units`` processes, padding included."""
-    conts = [_continuation(samples, i) for i, _ in _rows_longest_first(samples, units)]
+def shared_prefix_cost(samples: list[Sample], units: list[list[int]], cont_of: dict[int, int] | None = None) -> int:
+    """Tokens one shared-prefix micro-batch of ``units`` processes, padding included. ``cont_of``: each sample's
+    continuation length, when the caller has them (the planner asks for many candidate batches)."""
+    rows = [i for u in units for i in u]
+    conts = sorted((_continuation(samples, i) if cont_of is None else cont_of[i] for i in rows), reverse=True)
     prompt = max(len(samples[u[0]].prompt_ids) for u in units)
     return len(units) * prompt + sum((end - start) * conts[start] for start, end in continuation_tiers(conts))
 
@@ -220,21 +222,22 @@ def plan_shared_prefix(samples: list[Sample], indices: list[int], token_budget: 
     """
     if token_budget < 1:
         raise ValueError("trainer.micro_batch_tokens must be >= 1")
+    cont_of = {i: _continuation(samples, i) for i in indices}
     units: list[list[int]] = []
     for group in prompt_units(samples, indices):
-        group = sorted(group, key=lambda i: (-_continuation(samples, i), i))
+        group = sorted(group, key=lambda i: (-cont_of[i], i))
         unit: list[int] = []
         for i in group:
-            if unit and shared_prefix_cost(samples, [unit + [i]]) > token_budget:
+            if unit and shared_prefix_cost(samples, [unit + [i]], cont_of) > token_budget:
                 units.append(unit)
                 unit = []
             unit.append(i)
         units.append(unit)
-    units.sort(key=lambda u: (-max(_continuation(samples, i) for i in u), -len(samples[u[0]].prompt_ids), u[0]))
+    units.sort(key=lambda u: (-max(cont_of[i] for i in u), -len(samples[u[0]].prompt_ids), u[0]))
     batches: list[list[list[int]]] = []
     current: list[list[int]] = []
     for unit in units:
-        if current and shared_prefix_cost(samples, current + [unit]) > token_budget:
+        if current and shared_prefix_cost(samples, current + [unit], cont_of) > token_budget:
             batches.append(current)
             current = []
         current.append(unit)
@@ -413,8 +416,9 @@ def plan_micro_batches(
     if not allow_shared_prefix or len({tuple(samples[i].prompt_ids) for i in indices}) == len(indices):
         return padded  # not allowed, or no prompt repeats: nothing to share
     shared = plan_shared_prefix(samples, indices, token_budget)
-    processed = sum(shared_prefix_cost(samples, b) for b in shared)
+    cont_of = {i: _continuation(samples, i) for i in indices}
+    processed = sum(shared_prefix_cost(samples, b, cont_of) for b in shared)
     if processed > (1.0 - SHARED_PREFIX_MIN_SAVING) * padded.processed_tokens:
         return padded
-    real = sum(len(samples[u[0]].prompt_ids) + sum(_continuation(samples, i) for i in u) for b in shared for u in b)
+    real = sum(len(samples[u[0]].prompt_ids) + sum(cont_of[i] for i in u) for b in shared for u in b)
     return MicroBatchPlan(True, shared, processed, real)
