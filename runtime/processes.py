@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import inspect
 import multiprocessing
 import os
 import signal
@@ -127,7 +128,7 @@ def fork_server_here(spec: Any) -> bool:
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     server: Any = forkserver._forkserver  # the module's singleton that every forkserver context uses
-    if server._forkserver_pid is not None:
+    if server._forkserver_pid is not None or not _known_protocol(forkserver):
         return False
     # No lock taken (one thread): a lock held across the fork would stay held in every child.
     resource_tracker.ensure_running()  # before the fork, as ForkServer.ensure_running does
@@ -149,6 +150,19 @@ def fork_server_here(spec: Any) -> bool:
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
     return True
+
+
+def _known_protocol(forkserver: Any) -> bool:
+    """Whether the standard library's fork server is the one this module drives (Python 3.11's: a listener and an
+    "alive" pipe, no authentication key); another version gets the fresh-interpreter fork server."""
+    params = list(inspect.signature(forkserver.main).parameters)
+    server = forkserver._forkserver
+    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    return (
+        params[:3] == ["listener_fd", "alive_r", "preload"]
+        and all(hasattr(server, f) for f in fields)
+        and not hasattr(server, "_forkserver_authkey")
+    )
 
 
 def _device_opened() -> bool:
