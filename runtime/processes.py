@@ -6,7 +6,8 @@ come from a *fork server* (``multiprocessing``'s ``forkserver`` start method): o
 as early as the run starts (:func:`warm_up`, beside the parent's own imports and model building), imports
 the modules every child needs once (:data:`PRELOAD`), and forks each child from that state. A child
 begins with them imported, yet from a process that never touched an accelerator, opened a device or ran
-a thread of the parent's — the reasons the runtime never forks the parent itself.
+a thread of the parent's — the reasons the runtime never forks a parent that has started running (see
+Memory below for the one moment before that).
 
 What a child gets is unchanged: its arguments are pickled to it as with spawn; only the environment is
 the fork server's, taken when it started (the runtime passes children everything through arguments, and
