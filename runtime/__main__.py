@@ -72,6 +72,23 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+def _check_vllm_can_serve(spec: RunSpec) -> None:
+    """vLLM built for this device, the model's head size one it serves, its KV cache in host memory (cpu)."""
+    from runtime.rollout.vllm_adapter import VLLMUnavailable
+    from runtime.vllm_support import cpu_head_sizes, head_dim_problem, host_memory_problem, platform_problem
+    from runtime.workloads.llm.models import vllm_kv_cache_bytes
+
+    problem = platform_problem(spec.resources.device)
+    if problem is not None:
+        raise VLLMUnavailable(f"rollout.engine: {problem}")
+    sizes = cpu_head_sizes()
+    if spec.model.path and (problem := head_dim_problem(spec.model.path, spec.resources.device, sizes)):
+        raise UsageError(f"model.path: {problem}")
+    kv_bytes = vllm_kv_cache_bytes(spec)
+    if spec.resources.device == "cpu" and kv_bytes and (problem := host_memory_problem(kv_bytes)):
+        raise UsageError(f"rollout.kv_cache_gib: {problem}")
+
+
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
     from runtime.devices import resolve_device
@@ -82,6 +99,7 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
 
     if spec.rollout.engine == "vllm":  # the package first: a host without it can never run this spec
         import_vllm()
+        _check_vllm_can_serve(spec)
     resolve_device(spec.resources.device, 0)
     if spec.workload == "gym":  # the env builds and its action space suits the learner (EnvSpecError otherwise)
         from runtime.workloads.gym.build import describe_env
@@ -159,6 +177,14 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+# make-model's size presets: the default tiny one, and the smallest vLLM's CPU build serves (head_dim 64;
+# vLLM's CPU attention refuses 16), which tests/vllm/ and the vLLM benchmarks use.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
+    "vllm-cpu": {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
+}
+
+
 def _cmd_make_model(args: argparse.Namespace) -> int:
     """A small Qwen2 model directory whose BPE tokenizer is trained on a task's prompts and answers."""
     from runtime.models.local_hf import CHAT_TEMPLATE, SUMMARY_FILE, build_local_model_dir, task_corpus
@@ -169,17 +195,18 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         raise UsageError(f"make-model: only task.* overrides choose the corpus, got {' '.join(others)}")
     spec = load_spec({"task": {"name": args.from_task}}, args.overrides)
     corpus = task_corpus(build_task(spec.task))
+    sizes = dict(MODEL_PRESETS[args.preset])
+    given = {"hidden_size": args.hidden_size, "num_layers": args.layers, "num_heads": args.heads}
+    given["num_kv_heads"] = args.kv_heads
+    sizes.update({k: v for k, v in given.items() if v is not None})
     try:
         out = build_local_model_dir(
             args.directory,
             corpus=corpus,
             vocab_size=args.vocab_size,
             chat_template=None if args.no_chat_template else CHAT_TEMPLATE,
-            hidden_size=args.hidden_size,
-            num_layers=args.layers,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
             seed=args.seed,
+            **sizes,
         )
     except ValueError as exc:  # it names the keyword argument; the user gave the flag
         argument, _, why = str(exc).partition(": ")
@@ -334,10 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="task.sub=value overrides of the corpus task")
     p.add_argument("--from-task", required=True, metavar="NAME", help="task whose prompts and answers train the BPE")
     p.add_argument("--vocab-size", type=int, default=512, help="BPE tokens, specials included (default 512)")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument(
+        "--preset",
+        choices=sorted(MODEL_PRESETS),
+        default="tiny",
+        help="sizes (tiny: hidden 64, 4 heads of 16; vllm-cpu: hidden 128, 2 heads of 64, the smallest shape "
+        "vLLM's CPU attention serves); the size flags below override it",
+    )
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights")
     p.add_argument("--no-chat-template", action="store_true", help="leave the tokenizer without a chat template")
     p.set_defaults(func=_cmd_make_model)

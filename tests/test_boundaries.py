@@ -58,14 +58,16 @@ def test_ci_client_imports_without_django():
 
 
 # What the platform may import of the runtime: the spec (to validate submissions), the contract (what
-# the halves agree on) and the dataset task's file rule (submit reads a dataset file's columns as the runtime
-# does: jobs/spec_files.py). Anything else would tie the web processes to the runtime's internals (and torch).
-PLATFORM_MAY_IMPORT = {"runtime", "runtime.spec", "runtime.contract", "runtime.tasks.dataset"}
+# the halves agree on), the dataset task's file rule (submit reads a dataset file's columns as the runtime
+# does: jobs/spec_files.py) and what vLLM can serve (a model's head size, read from its config.json). Anything
+# else would tie the web processes to the runtime's internals (and torch).
+PLATFORM_MAY_IMPORT = {"runtime", "runtime.spec", "runtime.contract", "runtime.tasks.dataset", "runtime.vllm_support"}
 
 
-def test_the_dataset_file_rule_imports_without_torch_or_django():
-    loaded = _modules_loaded_by("import runtime.tasks.dataset")
-    assert "torch" not in loaded and "transformers" not in loaded
+@pytest.mark.parametrize("module", ["runtime.tasks.dataset", "runtime.vllm_support"])
+def test_the_file_rules_the_platform_uses_import_without_torch_or_django(module):
+    loaded = _modules_loaded_by(f"import {module}")
+    assert "torch" not in loaded and "transformers" not in loaded and "vllm" not in loaded
     assert not loaded & PLATFORM_MODULES
 
 

