@@ -205,8 +205,11 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
             corpus=corpus,
             vocab_size=args.vocab_size,
             chat_template=None if args.no_chat_template else CHAT_TEMPLATE,
+            hidden_size=sizes["hidden_size"],
+            num_layers=sizes["num_layers"],
+            num_heads=sizes["num_heads"],
+            num_kv_heads=sizes["num_kv_heads"],
             seed=args.seed,
-            **sizes,
         )
     except ValueError as exc:  # it names the keyword argument; the user gave the flag
         argument, _, why = str(exc).partition(": ")
