@@ -33,6 +33,7 @@ from runtime.rollout.link import (
 )
 from runtime.rollout.wire import EPOCH
 from runtime.spec import RunSpec
+from runtime.workloads.llm.models import engine_weight_dtype
 
 
 def takes_remote_peers(spec: RunSpec) -> bool:
@@ -49,7 +50,8 @@ class RemotePeers:
         self.ledger = pool.ledger
         self.listener: Any = None
         self.endpoint_address = ""  # the address the listener advertises
-        self.blobs = WeightBlobs()  # each version's weights as bytes, made once for every peer
+        # each version's weights as bytes, made once for every peer, in the dtype a vLLM engine computes in
+        self.blobs = WeightBlobs(dtype=engine_weight_dtype(ctx.spec))
         self.evaluator: RemoteEvaluator | None = None  # resources.remote_evaluator: kept across rollbacks
 
     def listen(self) -> None:

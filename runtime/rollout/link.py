@@ -208,10 +208,13 @@ def connect(
 
 
 class WeightBlobs:
-    """Each published version serialised once (safetensors bytes) for all peers, the newest few kept."""
+    """Each published version serialised once (safetensors bytes) for all peers, the newest few kept; with
+    ``dtype``, floating-point tensors cross in it (the dtype a vLLM engine computes in: bf16 weights are half
+    the bytes of the trainer's float32 masters, and the engine would convert them anyway)."""
 
-    def __init__(self, keep: int = 2):
+    def __init__(self, keep: int = 2, dtype: torch.dtype | None = None):
         self.keep = keep
+        self.dtype = dtype
         self._lock = threading.Lock()
         self._blobs: dict[int, bytes] = {}
 
@@ -221,11 +224,17 @@ class WeightBlobs:
         with self._lock:
             blob = self._blobs.get(version)
             if blob is None:
-                blob = save(_unshared(state))
+                blob = save(_unshared(_in_dtype(state, self.dtype)))
                 self._blobs[version] = blob
                 for old in sorted(self._blobs)[: -self.keep]:
                     del self._blobs[old]
             return blob
+
+
+def _in_dtype(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    if dtype is None:
+        return state
+    return {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

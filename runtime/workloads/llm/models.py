@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from runtime.models import CharTokenizer, ModelError, build_policy, check_model_path, load_tokenizer
+from runtime.models import DTYPES, CharTokenizer, ModelError, build_policy, check_model_path, load_tokenizer
 from runtime.rollout.engine import Engine
 from runtime.rollout.vllm_adapter import VLLMEngine, import_vllm  # vllm itself is imported only for a vllm engine
 from runtime.spec import VLLM_CPU_KV_CACHE_GIB, RunSpec
@@ -103,6 +103,14 @@ def vllm_kv_cache_bytes(spec: RunSpec) -> int | None:
     if gib is None and spec.resources.device == "cpu":
         gib = VLLM_CPU_KV_CACHE_GIB
     return None if gib is None else int(gib * 2**30)
+
+
+def engine_weight_dtype(spec: RunSpec) -> torch.dtype | None:
+    """The dtype weights are sent to a run's remote engines in: a vLLM engine's (``vllm_dtype``), which it
+    would convert them to on arrival; None (as published) for the built-in engine and other workloads."""
+    if spec.workload != "llm" or spec.rollout.engine != "vllm":
+        return None
+    return DTYPES[vllm_dtype(spec)]
 
 
 def vllm_dtype(spec: RunSpec) -> str:

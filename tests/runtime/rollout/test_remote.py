@@ -422,6 +422,22 @@ def test_weights_with_tied_tensors_are_serialised_for_the_link():
     assert list(blobs._blobs) == [6]  # the newest `keep` versions only
 
 
+def test_weights_for_a_vllm_engine_cross_the_link_in_its_dtype():
+    from runtime.rollout.link import WeightBlobs
+    from runtime.spec import load_spec
+    from runtime.workloads.llm.models import engine_weight_dtype
+
+    state = {"w": torch.randn(64, 64), "steps": torch.tensor([3])}
+    bf16 = decode_weights(WeightBlobs(dtype=torch.bfloat16).get(1, state))
+    assert bf16["w"].dtype == torch.bfloat16 and torch.equal(bf16["w"], state["w"].to(torch.bfloat16))
+    assert bf16["steps"].dtype == torch.int64  # only floating-point tensors move
+    assert len(WeightBlobs(dtype=torch.bfloat16).get(1, state)) < 0.6 * len(WeightBlobs().get(1, state))
+    vllm = {"rollout": {"engine": "vllm"}, "model": {"path": "m"}}
+    assert engine_weight_dtype(load_spec({**vllm, "trainer": {"mixed_precision": "bf16"}})) == torch.bfloat16
+    assert engine_weight_dtype(load_spec(vllm)) == torch.float32
+    assert engine_weight_dtype(load_spec({})) is None  # the built-in engine takes what the trainer publishes
+
+
 @pytest.mark.slow
 def test_a_failing_trainer_leaves_its_remote_instances_waiting_for_its_restart(tmp_path):
     spec = tiny_spec(tmp_path, "fails", BASE, resources__rollout_workers=0)
