@@ -195,6 +195,26 @@ def test_a_model_path_without_config_json_is_refused(owner, experiment, data_roo
     ]
 
 
+def test_a_vllm_run_on_a_model_whose_head_size_vllms_cpu_attention_cannot_serve_is_refused(
+    owner, experiment, data_root
+):
+    from runtime.vllm_support import head_dim_problem
+
+    for name, hidden in (("heads16", 64), ("heads64", 256)):
+        (data_root / name).mkdir()
+        config = {"model_type": "qwen2", "hidden_size": hidden, "num_attention_heads": 4}
+        (data_root / name / "config.json").write_text(json.dumps(config))
+    vllm = {"rollout": {"engine": "vllm", "kv_cache_gib": 0.5}}
+
+    refused = _refused(owner, experiment, {**_model_spec(data_root / "heads16"), **vllm})
+
+    assert refused == [("model.path", head_dim_problem(data_root / "heads16", "cpu"))]
+    assert "has head_dim 16" in refused[0][1] and "--preset vllm-cpu" in refused[0][1]
+    handler.submit_run(owner, experiment, {**_model_spec(data_root / "heads64"), **vllm})  # head_dim 64: accepted
+    handler.submit_run(owner, experiment, _model_spec(data_root / "heads16"))  # the built-in engine serves any
+    assert head_dim_problem(data_root / "heads16", "cuda") is None  # GPU kernels: vLLM's own start-up check
+
+
 def test_a_missing_model_in_the_teams_own_run_directory_is_refused(owner, experiment, run, tmp_path, settings):
     settings.TANDEM_CHECKPOINT_ROOT = (tmp_path / "runs").resolve()
     policy = settings.TANDEM_CHECKPOINT_ROOT / f"run-{run.pk}" / "checkpoints" / "step-4" / "policy"
