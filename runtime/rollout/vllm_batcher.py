@@ -34,7 +34,12 @@ import torch
 from runtime.rollout.batcher import BatchStats, drive, request_limit
 from runtime.rollout.sampling import Completion, SamplingParams
 
-_request_ids = itertools.count()  # vLLM request ids are unique per engine; one counter for the process
+_request_ids = itertools.count()
+
+
+class VLLMEngineError(RuntimeError):
+    """vLLM's engine failed inside a step: the role ends naming vLLM (a run failure, resumed like any other)."""
+  # vLLM request ids are unique per engine; one counter for the process
 
 
 @dataclass
@@ -132,7 +137,11 @@ class VLLMBatcher:
             finished: list[tuple[Any, Completion]] = []
             if self._live:
                 version = engine.version  # fixed during the step: updates arriving now are staged
-                for output in engine.llm.llm_engine.step():
+                try:
+                    outputs = engine.llm.llm_engine.step()
+                except Exception as exc:  # vLLM's own failure (its engine core died, a kernel raised, ...)
+                    raise VLLMEngineError(f"vLLM's engine failed in a step: {type(exc).__name__}: {exc}") from exc
+                for output in outputs:
                     self._record(output, version, finished)
             self.stats.steps += 1
             engine.stats.steps += 1

@@ -275,3 +275,21 @@ def test_requests_carry_their_admission_version_as_cache_salt_and_an_update_rese
     (_, _, (weights,)) = calls(eng, "collective_rpc")[0]
     assert weights[0][1].dtype == torch.float32  # converted to the engine's dtype (the stand-in's float32)
     assert eng.last_update["bytes"] == 8
+
+
+def test_a_failure_inside_vllms_step_ends_the_batcher_with_an_error_naming_vllm(fake_vllm):
+    from runtime.rollout.vllm_batcher import VLLMEngineError
+
+    eng = engine()
+    b = eng.batcher(SamplingParams(max_new_tokens=8))
+    b.submit([1, 10, 11], "x")
+
+    def dies():
+        raise RuntimeError("EngineCore died unexpectedly")
+
+    eng.llm.llm_engine.during_step = dies
+    with pytest.raises(VLLMEngineError, match="vLLM's engine failed in a step: RuntimeError: EngineCore died"):
+        b.step()
+    eng.llm.llm_engine.during_step = None
+    eng.update_weights(None, 1)  # the step's end ran: the engine is not left mid-step
+    assert eng.version == 1
