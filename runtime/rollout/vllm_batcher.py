@@ -39,7 +39,9 @@ _request_ids = itertools.count()
 
 class VLLMEngineError(RuntimeError):
     """vLLM's engine failed inside a step: the role ends naming vLLM (a run failure, resumed like any other)."""
-  # vLLM request ids are unique per engine; one counter for the process
+
+
+# vLLM request ids are unique per engine; one counter for the process
 
 
 @dataclass
