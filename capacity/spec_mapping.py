@@ -89,6 +89,7 @@ THROUGH_INPUTS: dict[str, str] = {
     "trainer.micro_batch_tokens": _COSTS,
     "rollout.engine": _COSTS,
     "rollout.gpu_memory_utilization": _COSTS + ": the KV cache vLLM may hold bounds the engine's batch",
+    "rollout.kv_cache_gib": _COSTS + ": the KV cache vLLM may hold bounds the engine's batch",
     "trainer.mixed_precision": _COSTS + ": the compute dtype is part of the per-token training cost",
     "trainer.gradient_checkpointing": _COSTS + ": recomputing each layer is part of the per-token training cost",
     "resources.device": _COSTS,
