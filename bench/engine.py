@@ -13,7 +13,8 @@ in static batches (longest first) whose rows stop at their own lengths. Usage:
     .venv/bin/python bench/engine.py --models tiny-qwen2 small-qwen2 --batch 32 --max-new-tokens 128
     .venv/bin/python bench/engine.py --quick --one-range   # without the engine's length-aware attention split
 
-The last line printed is one JSON object with every figure.
+The last line printed is one JSON object with every figure. For vLLM (its CPU build) against this
+engine on the rollout workload, see bench/vllm_engine.py.
 """
 
 from __future__ import annotations
