@@ -1,6 +1,7 @@
 """A run with ``rollout.engine: vllm`` through the whole platform: submitted over REST, admitted, started by a
-real Celery worker (this machine's host agent) as ``python -m runtime role trainer`` on vLLM's CPU build,
-reporting to a real uvicorn, completed; and a model vLLM cannot serve refused at submit.
+real Celery worker (this machine's host agent) as ``python -m runtime role trainer`` (and, async, ``role
+rollout``) on vLLM's CPU build, reporting to a real uvicorn, completed; and a model vLLM cannot serve refused at
+submit.
 
 The platform fixtures are tests/launch's (a real server and worker over the suite's PostgreSQL and Redis).
 """
@@ -16,6 +17,7 @@ import yaml
 from jobs.client import ClientError
 from jobs.client import TandemClient as Client
 from jobs.models import MetricPoint, Run, RunRole
+from jobs.models import RoleState as R
 from jobs.states import RunState
 from tests.launch.conftest import cluster, platform  # noqa: F401  (fixtures)
 from tests.launch.helpers import wait_for
@@ -24,11 +26,17 @@ from tests.vllm.helpers import vllm_spec
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 RUN_S = 300.0  # vLLM starts in 15-40 s on a loaded 2-core machine; the run itself is seconds
+GAP = 1e-3  # engine vs trainer log-probs of the same tokens, fp32 on both sides
+VLLM_STARTED = "Initializing a V1 LLM engine"  # vLLM's start-up line
 
 
 def _role_logs(run: Run) -> list[Path]:
-    workdirs = RunRole.objects.filter(run=run).values_list("workdir", flat=True)
+    workdirs = set(RunRole.objects.filter(run=run).values_list("workdir", flat=True))
     return [log for workdir in workdirs for log in sorted(Path(workdir).glob("roles/*/attempt-*/log"))]
+
+
+def _role_log(run: Run, role: str) -> str:
+    return "".join(log.read_text(errors="replace") for log in _role_logs(run) if log.parts[-3] == role)
 
 
 def _team_model(cluster, model: Path, tmp_path: Path) -> Path:  # noqa: F811
@@ -41,12 +49,10 @@ def _team_model(cluster, model: Path, tmp_path: Path) -> Path:  # noqa: F811
     return root / "policy"
 
 
-def test_a_vllm_run_launched_by_the_platform_completes_and_its_weights_land(platform, cluster, sft_model, tmp_path):  # noqa: F811
-    model = _team_model(cluster, sft_model, tmp_path)
-    spec = vllm_spec(tmp_path, "platform-vllm", model, pipeline={"steps": 4}, checkpoint={"interval": 2})
+def _run_to_the_end(platform, cluster, spec: dict) -> Run:  # noqa: F811
+    """Submit ``spec`` over REST; wait until the run has ended and every one of its roles has exited."""
     del spec["output_dir"]  # the platform gives a run its directory
-    api = Client(platform.url, cluster["token"])
-    created, body = api.submit("e2e", yaml.safe_dump(spec))
+    created, body = Client(platform.url, cluster["token"]).submit("e2e", yaml.safe_dump(spec))
     assert created, body
     run = Run.objects.get(pk=body["id"])
 
@@ -55,16 +61,69 @@ def test_a_vllm_run_launched_by_the_platform_completes_and_its_weights_land(plat
         return run.state if run.state in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED) else None
 
     state = wait_for(ended, f"run {run.pk} to end", RUN_S, platform.logs + _role_logs(run))
-    logs = "".join(p.read_text()[-3000:] for p in _role_logs(run))
-    assert state == RunState.COMPLETED, logs
+    tails = "".join(f"--- {p}:\n{p.read_text(errors='replace')[-3000:]}" for p in _role_logs(run))
+    assert state == RunState.COMPLETED, f"{run.reason}\n{tails}"
+    wait_for(
+        lambda: not RunRole.objects.filter(run=run).exclude(state=R.EXITED).exists(),
+        "every role to exit",
+        60,
+        platform.logs + _role_logs(run),
+    )
+    return run
+
+
+def _steps(run: Run) -> dict[int, dict]:
+    """The live metric points of the run's training steps, by step."""
     points = {p.step: p.metrics for p in MetricPoint.objects.filter(run=run).live()}
-    steps = sorted(s for s, m in points.items() if "reward/mean" in m)
-    assert steps == [1, 2, 3, 4]
-    assert [points[s]["weights/version"] for s in steps] == [1, 2, 3, 4]
-    gaps = [points[s]["consistency/logprob_diff_max"] for s in steps if "consistency/logprob_diff_max" in points[s]]
-    assert gaps and max(gaps) < 1e-3  # vLLM scored its samples as the trainer does: every update landed
-    whole = "".join(p.read_text() for p in _role_logs(run))
-    assert "Initializing a V1 LLM engine" in whole  # the role really ran vLLM (its start-up line)
+    return {step: metrics for step, metrics in sorted(points.items()) if "reward/mean" in metrics}
+
+
+def _assert_weights_landed(steps: dict[int, dict]) -> None:
+    """vLLM scored its samples as the trainer does: every published version arrived in the engine."""
+    gaps = [m["consistency/logprob_diff_max"] for m in steps.values() if "consistency/logprob_diff_max" in m]
+    assert gaps and max(gaps) < GAP, gaps
+
+
+def test_a_vllm_run_launched_by_the_platform_completes_and_its_weights_land(platform, cluster, sft_model, tmp_path):  # noqa: F811
+    model = _team_model(cluster, sft_model, tmp_path)
+    spec = vllm_spec(tmp_path, "platform-vllm", model, pipeline={"steps": 4}, checkpoint={"interval": 2})
+    run = _run_to_the_end(platform, cluster, spec)
+    steps = _steps(run)
+    assert list(steps) == [1, 2, 3, 4]
+    assert [m["weights/version"] for m in steps.values()] == [1, 2, 3, 4]
+    _assert_weights_landed(steps)
+    roles = {r.name: (r.attempt, r.restarts, r.exit_code) for r in RunRole.objects.filter(run=run)}
+    assert roles == {"trainer-0": (0, 0, 0)}
+    assert VLLM_STARTED in _role_log(run, "trainer-0")  # the role really ran vLLM
+
+
+def test_an_async_vllm_run_with_a_platform_launched_rollout_role_completes_and_its_weights_land(  # noqa: F811
+    platform,  # noqa: F811
+    cluster,  # noqa: F811
+    sft_model,
+    tmp_path,
+):
+    """rollout-0 is a role of its own (``python -m runtime role rollout``) on the host's second device, vLLM
+    generating there for the trainer; it is released when the trainer ends."""
+    model = _team_model(cluster, sft_model, tmp_path)
+    spec = vllm_spec(
+        tmp_path,
+        "platform-vllm-async",
+        model,
+        pipeline={"mode": "async", "steps": 4, "max_policy_lag": 1},
+        resources={"rollout_workers": 0, "remote_rollout_workers": 1},
+    )
+    run = _run_to_the_end(platform, cluster, spec)
+    steps = _steps(run)
+    assert list(steps) == [1, 2, 3, 4]
+    assert [m["weights/version"] for m in steps.values()] == [1, 2, 3, 4]
+    assert max(m["staleness/max"] for m in steps.values()) <= 1
+    assert sum(m["rollout/instance/0/busy_s"] for m in steps.values()) > 0  # the rollout role generated
+    _assert_weights_landed(steps)
+    roles = {r.name: (r.attempt, r.restarts, r.exit_code) for r in RunRole.objects.filter(run=run)}
+    assert roles == {"trainer-0": (0, 0, 0), "rollout-0": (0, 0, 0)}
+    assert VLLM_STARTED in _role_log(run, "rollout-0")  # vLLM ran in the rollout role
+    assert VLLM_STARTED not in _role_log(run, "trainer-0")  # and only there: the trainer has no engine
 
 
 def test_a_model_vllm_cannot_serve_is_refused_at_submit_naming_the_head_size(platform, cluster, tmp_path):  # noqa: F811
