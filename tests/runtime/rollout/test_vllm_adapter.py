@@ -1,7 +1,7 @@
 """The vLLM adapter's own logic, driven against a stand-in of the vllm package with vllm 0.30.0's signatures
-(vLLM cannot run on the CPU test machines): request streaming and collection, per-token versions across a
-weight update, weight loading calls, sleep / wake-up order, seeds. What vLLM itself computes is not tested
-here."""
+(the main environment has no vLLM): request streaming and collection, per-token versions across a weight
+update, weight loading calls, sleep / wake-up order, seeds. What vLLM itself computes is tested against its CPU
+build in tests/vllm/."""
 
 from __future__ import annotations
 
