@@ -201,10 +201,30 @@ GYM_CHART_GROUPS = [
 ]
 CHART_GROUPS_BY_WORKLOAD = {"llm": LLM_CHART_GROUPS, "gym": GYM_CHART_GROUPS}
 
+# The checkpoints page's headline columns: (label, [metric names]); a cell shows the first name the
+# checkpoint recorded (a gym run's DQN has loss/td, its PPO loss/policy), or a dash. The other
+# metrics of a checkpoint are folded away in its row.
+CHECKPOINT_HEADLINES_BY_WORKLOAD = {
+    "llm": [
+        ("Reward", [m.REWARD_MEAN]),
+        ("Held-out accuracy", [m.EVAL_ACCURACY]),
+        ("Loss", [m.LOSS_POLICY]),
+    ],
+    "gym": [
+        ("Return", [m.EPISODE_RETURN_MEAN]),
+        ("Eval return", [m.EVAL_RETURN_MEAN]),
+        ("Loss", [m.LOSS_POLICY, m.LOSS_TD]),
+    ],
+}
+
+
+def _workload(run: Run) -> str:
+    return (run.resolved_spec or {}).get("workload", "llm")  # a resolved spec without the field is an LLM run's
+
 
 def chart_groups(run: Run) -> list:
-    """The run page's chart groups for the run's workload (a resolved spec without the field is an LLM run's)."""
-    return CHART_GROUPS_BY_WORKLOAD[(run.resolved_spec or {}).get("workload", "llm")]
+    """The run page's chart groups for the run's workload."""
+    return CHART_GROUPS_BY_WORKLOAD[_workload(run)]
 
 
 def _checkpoint_row(c: CheckpointRecord) -> dict:
@@ -267,6 +287,11 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
             {"title": g, "charts": [{"title": t, "keys": k} for t, k in charts]} for g, charts in chart_groups(run)
         ],
         "checkpoints": [_checkpoint_row(c) for c in checkpoints],
+        # As the stream's event entries carry them (JSON, not a Python repr): run_page.js draws both alike.
+        "events": [
+            {"kind": e.kind, "payload": e.payload, "role": e.role, "time": e.time.timestamp()}
+            for e in RunEvent.objects.filter(run=run).order_by("-time", "-pk")[:50]
+        ],
         "params": commands.effective_params(run),
         "start": (run.started_at or run.submitted_at).timestamp(),
         # The page shows everything up to here (tables rendered now, charts fetched after): the stream resumes after it.
@@ -284,7 +309,6 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "live": live,
         "chart_groups": chart_groups(run),
         "roles": run.heartbeats.order_by("role", "-attempt"),
-        "events": RunEvent.objects.filter(run=run).order_by("-time", "-pk")[:50],
         "commands": Command.objects.filter(run=run).order_by("-pk")[:20],
         "configs": _config_rows(run),
         "checkpoints": checkpoints,
@@ -297,10 +321,12 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
 def run_checkpoints(request: HttpRequest, pk: int) -> HttpResponse:
     """The checkpoint browser of one run: rows come from GET /api/runs/<id>/checkpoints/ (frontend/js)."""
     run = get_object_or_404(_visible_runs(request.user), pk=pk)
+    headlines = [{"label": label, "keys": keys} for label, keys in CHECKPOINT_HEADLINES_BY_WORKLOAD[_workload(run)]]
     context = {
         "run": run,
         "can_edit": perms.can_edit(request.user, run.experiment.team_id),
         "stream_seq": _stream_seq(run),
+        "headlines": headlines,
     }
     return render(request, "jobs/checkpoints.html", context)
 

@@ -2,9 +2,11 @@
 // smoothing, log scale, x by step / wall time / relative time, values on
 // hover (uPlot's legend), and rewound points (those after a rollback) drawn
 // as a separate faded dashed series so they never read as the live curve.
+// Value-axis labels come from ticks.js (exact digits, 1e-7 for tiny values).
 
 import uPlot from "../vendor/uplot/uPlot.esm.js";
 import { ema } from "./smoothing.js";
+import { formatTicks } from "./ticks.js";
 
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#be185d", "#4b5563"];
 
@@ -25,6 +27,13 @@ function insertSorted(series, x, y) {
     series.x.splice(i, 0, x);
     series.y.splice(i, 0, y);
   }
+}
+
+// Room for the longest label ("-2.5e-7" needs more than "0.5"): about 7 px a character at uPlot's
+// 12 px axis font, plus the tick (10 px) and its gap (5 px); uPlot passes null before the first labels.
+function yAxisWidth(labels) {
+  const longest = Math.max(0, ...(labels || []).map((s) => s.length));
+  return Math.max(60, 22 + 7 * longest);
 }
 
 export class MetricChart {
@@ -133,6 +142,14 @@ export class MetricChart {
     return [x, ...columns];
   }
 
+  // The value axis' labels; the last drawn ones are also kept on the element (data-y-ticks, space
+  // separated, the blanks of ticks a log scale skips left out) since uPlot draws them on a canvas.
+  _yTicks(splits) {
+    const labels = formatTicks(splits);
+    this.container.dataset.yTicks = labels.filter((label) => label !== "").join(" ");
+    return labels;
+  }
+
   _logSafe(v) {
     return this.opts.log && v !== null && v <= 0 ? null : v;
   }
@@ -153,15 +170,24 @@ export class MetricChart {
       height: 200,
       series,
       scales: { x: { time: this.opts.xMode === "time" }, y: this.opts.log ? { distr: 3 } : {} },
-      axes: [{}, { size: 60 }],
+      axes: [{}, { values: (u, splits) => this._yTicks(splits), size: (u, labels) => yAxisWidth(labels) }],
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
     };
     this.plot = new uPlot(opts, this._aligned(), this.container);
   }
 
+  _width() {
+    return Math.max(this.container.clientWidth || 400, 300); // 0 while in a folded section
+  }
+
+  // Fit the plot to its container again (a folded section was opened).
+  resize() {
+    if (this.plot) this.plot.setSize({ width: this._width(), height: 200 });
+  }
+
   render() {
-    const width = Math.max(this.container.clientWidth || 400, 300);
+    const width = this._width();
     // The series list changes with the x mode, smoothing on/off and whether any point is rewound
     // (rewound series are added only then, to keep the legend short): rebuild the plot when it does.
     const shape = `${this.opts.xMode}|${this.opts.smoothing > 0}|${this.pointCount("rewound") > 0}`;

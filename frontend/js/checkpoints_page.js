@@ -2,13 +2,19 @@
 // downloaded through /api/checkpoints/<id>/files/<path> (streamed by the
 // server, which refuses paths outside the checkpoint root), pin / unpin /
 // delete for editors. New checkpoints appear live from the run's stream.
+// A row shows the headline metrics the view names (reward, held-out accuracy,
+// loss: jobs.views.CHECKPOINT_HEADLINES_BY_WORKLOAD); the rest of the ~40 a
+// checkpoint records fold into a <details> of their own, keeping rows short.
 
 import { api, el, pageData } from "./api.js";
+import { fieldList, fmtValue } from "./fields.js";
 import { Stream } from "./stream.js";
 
 const runId = pageData("run-id");
 const canEdit = pageData("can-edit");
+const headlines = pageData("headlines"); // [{label, keys: [the first one recorded is shown]}]
 const body = document.querySelector("#checkpoints tbody");
+const columns = document.querySelectorAll("#checkpoints thead th").length;
 
 export function fmtBytes(n) {
   if (n === null || n === undefined) return "—";
@@ -36,14 +42,22 @@ function fileLinks(c) {
   );
 }
 
-function metricsCell(metrics) {
-  const entries = Object.entries(metrics || {});
-  if (!entries.length) return el("span", { class: "muted" }, "—");
-  return el(
-    "div",
-    { class: "metrics" },
-    ...entries.map(([k, v]) => el("div", {}, el("code", {}, k), " ", typeof v === "number" ? v.toPrecision(4) : String(v))),
-  );
+function headlineCells(metrics) {
+  return headlines.map(({ keys }) => {
+    const key = keys.find((k) => metrics[k] !== undefined && metrics[k] !== null);
+    return key === undefined
+      ? el("td", { class: "num headline muted", "data-key": keys[0] }, "—")
+      : el("td", { class: "num headline", "data-key": key, title: key }, fmtValue(metrics[key]));
+  });
+}
+
+// Every metric but the headline ones, folded (however few: the row stays one line tall).
+function moreMetrics(metrics) {
+  const shown = new Set(headlines.flatMap((h) => h.keys));
+  const rest = Object.fromEntries(Object.entries(metrics).filter(([k]) => !shown.has(k)));
+  const count = Object.keys(rest).length;
+  if (!count) return el("span", { class: "muted" }, "—");
+  return el("details", { class: "more-metrics" }, el("summary", {}, `${count} more`), fieldList(rest, { fold: false }));
 }
 
 function showError(message) {
@@ -68,9 +82,10 @@ function row(c) {
     "tr",
     { "data-checkpoint-id": String(c.id) },
     el("td", { class: "num" }, c.step),
-    el("td", { class: "num" }, c.weight_version ?? "—"),
-    el("td", {}, metricsCell(c.metrics)),
-    el("td", { class: "num" }, fmtBytes(c.size)),
+    el("td", { class: "num weights" }, c.weight_version ?? "—"),
+    ...headlineCells(c.metrics || {}),
+    el("td", { class: "num size" }, fmtBytes(c.size)),
+    el("td", {}, moreMetrics(c.metrics || {})),
     el("td", {}, fileLinks(c)),
     el("td", { class: "pinned" }, c.pinned ? "pinned" : ""),
   );
@@ -89,7 +104,10 @@ async function load() {
     const data = await api("GET", `/api/runs/${runId}/checkpoints/`);
     const rows = Array.isArray(data) ? data : data.results || [];
     rows.sort((a, b) => b.step - a.step);
-    body.replaceChildren(...(rows.length ? rows.map(row) : [el("tr", { class: "empty" }, el("td", { colSpan: 7, class: "muted" }, "No checkpoints."))]));
+    // A reload (a new checkpoint, a pin) keeps the rows a reader unfolded unfolded.
+    const unfolded = new Set(Array.from(body.querySelectorAll("details[open]"), (d) => d.closest("tr").dataset.checkpointId));
+    body.replaceChildren(...(rows.length ? rows.map(row) : [el("tr", { class: "empty" }, el("td", { colSpan: columns, class: "muted" }, "No checkpoints."))]));
+    for (const id of unfolded) body.querySelector(`tr[data-checkpoint-id="${id}"] details`)?.setAttribute("open", "");
   } catch (err) {
     showError(err.message);
   }

@@ -5,6 +5,8 @@
 
 import { api, el, pageData } from "./api.js";
 import { MetricChart } from "./chart.js";
+import { fieldList } from "./fields.js";
+import { rememberSections } from "./sections.js";
 import { refreshEstimate } from "./start_estimate.js";
 import { Stream } from "./stream.js";
 
@@ -199,7 +201,7 @@ function onEvent(data) {
       {},
       el("td", {}, fmtTime(data.time ?? Date.now() / 1000)),
       el("td", {}, data.kind),
-      el("td", {}, el("code", {}, JSON.stringify(data.payload))),
+      el("td", { class: "event-details" }, fieldList(data.payload ?? {})),
     ),
   );
 }
@@ -275,8 +277,13 @@ function setupToolbar() {
 }
 
 setupCharts();
+window.tandemCharts = charts; // for the console and the browser tests (uPlot draws on a canvas)
 setupToolbar();
 updateControls();
+// Opening a folded section: its charts were laid out while it had no width.
+rememberSections(document, (section) => charts.filter((c) => section.contains(c.container)).forEach((c) => c.resize()));
+// The events the page was rendered with (newest first), drawn as the stream's would be; newest on top.
+[...live.events].reverse().forEach(onEvent);
 const status = document.getElementById("stream-status");
 window.tandemStream = new Stream(`/ws/runs/${live.run}/`, {
   after: live.stream_seq,

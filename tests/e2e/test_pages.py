@@ -49,6 +49,27 @@ def test_run_page_embeds_what_its_script_needs(client, editor, viewer, experimen
     assert 'data-command="pause"' not in html and 'id="controls"' not in html
 
 
+def test_run_page_sends_events_as_json_and_the_checkpoints_page_its_headlines(client, editor, experiment, submit):
+    from jobs.lifecycle.events import record_event
+
+    run = submit(experiment)
+    record_event(run.pk, "role_started", {"role": "trainer-0", "host": "h1", "attempt": 0})
+    client.force_login(editor)
+    html = client.get(f"/runs/{run.pk}/").content.decode()
+    live = json.loads(html.split('<script id="run-live" type="application/json">')[1].split("</script>")[0])
+    assert [(e["kind"], e["payload"], e["role"]) for e in live["events"]] == [
+        ("role_started", {"role": "trainer-0", "host": "h1", "attempt": 0}, "platform")
+    ]
+    assert "{&#x27;role&#x27;" not in html and "No events yet." not in html  # rows are run_page.js's, from JSON
+    html = client.get(f"/runs/{run.pk}/checkpoints/").content.decode()
+    headlines = json.loads(html.split('<script id="headlines" type="application/json">')[1].split("</script>")[0])
+    assert headlines == [
+        {"label": "Reward", "keys": ["reward/mean"]},
+        {"label": "Held-out accuracy", "keys": ["eval/accuracy"]},
+        {"label": "Loss", "keys": ["loss/policy"]},
+    ]
+
+
 def test_a_gym_run_page_charts_returns_and_its_learner_not_tokens(client, editor, owner, experiment):
     from jobs import handler
 
