@@ -41,3 +41,76 @@ def token_logprobs(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).logits
     return logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+# Rows of logits per chunk in :func:`logprobs_and_entropy`: about 2**22 float32 elements (16 MiB) at a time.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(token), entropy)`` of ``softmax(logits / temperature)`` for flat ``logits [n, V]``, ``token_ids
+    [n]``, both float32 ``[n]``: :func:`logprobs_from_logits` and the distribution's entropy, to float rounding.
+
+    Computed a chunk of rows at a time in float32, never a whole-vocabulary float32 tensor: forward keeps only
+    each row's log-sum-exp and mean logit for backward, which recomputes the softmax chunk by chunk and writes
+    the gradient in ``logits``' own dtype (with Qwen's 152k vocabulary a float32 ``log_softmax`` is 0.6 MB a
+    token, and today's path keeps several). ``entropy_grad=False``: the entropy is a metric only (no gradient
+    flows through it). temperature <= 0 scores with temperature 1, as :func:`logprobs_from_logits`.
+    """
+    if logits.dim() != 2 or token_ids.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be [n, V] and token_ids [n], got {list(logits.shape)} and {list(token_ids.shape)}"
+        )
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    logp, entropy = _ChunkedLogprobs.apply(logits, token_ids, scale)
+    return logp, entropy if entropy_grad else entropy.detach()
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """z = logits * scale, p = softmax(z): log p_c = z_c - lse(z), H = lse(z) - sum_j p_j z_j.
+    Gradients per row: d log p_c / dz_j = [j = c] - p_j; dH / dz_j = -p_j (z_j - E_p[z])."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, token_ids: torch.Tensor, scale: float):  # type: ignore[override]
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        mean_z = torch.empty_like(lse)  # E_p[z], for the entropy and its gradient
+        chosen = torch.empty_like(lse)
+        step = _rows_per_chunk(logits.shape[1])
+        for start in range(0, n, step):
+            z = logits[start : start + step].float() * scale
+            lse_c = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - lse_c.unsqueeze(-1))
+            lse[start : start + step] = lse_c
+            mean_z[start : start + step] = (p * z).sum(-1)
+            chosen[start : start + step] = z.gather(-1, token_ids[start : start + step].unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(logits, token_ids, lse, mean_z)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(token_ids)
+        return chosen - lse, lse - mean_z
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):  # type: ignore[override]
+        logits, token_ids, lse, mean_z = ctx.saved_tensors
+        scale = ctx.scale
+        grad = torch.empty_like(logits)
+        step = _rows_per_chunk(logits.shape[1])
+        for start in range(0, logits.shape[0], step):
+            rows = slice(start, start + step)
+            z = logits[rows].float() * scale
+            p = torch.exp(z - lse[rows].unsqueeze(-1))
+            g = torch.zeros_like(z)
+            if grad_logp is not None:
+                g1 = grad_logp[rows].float().unsqueeze(-1)
+                g -= g1 * p
+                g.scatter_add_(-1, token_ids[rows].unsqueeze(-1), g1)
+            if grad_entropy is not None:
+                g -= grad_entropy[rows].float().unsqueeze(-1) * p * (z - mean_z[rows].unsqueeze(-1))
+            grad[rows] = (g * scale).to(logits.dtype)
+        return grad, None, None

@@ -31,8 +31,9 @@ forward pass and the extra scoring pass is skipped.
 
 Sequences are right-padded; position ids count real tokens
 (:func:`runtime.models.positions_from_mask`) and log-probs use
-:func:`runtime.models.logprobs_from_logits` at the rollout temperature, the
-same math as the engine's.
+:func:`runtime.models.logprobs.logprobs_and_entropy` at the rollout temperature, the
+same math as the engine's :func:`runtime.models.logprobs_from_logits`, a chunk of
+rows at a time (no whole-vocabulary float32 tensor).
 """
 
 from __future__ import annotations
@@ -69,11 +70,10 @@ from runtime.contract import (
     STALENESS_MEAN,
     TRAIN_TOKENS_PER_S,
 )
-from runtime.models.logprobs import logprobs_from_logits, positions_from_mask
+from runtime.models.logprobs import logprobs_and_entropy, positions_from_mask
 from runtime.samples import Sample
 from runtime.train.algos.core import (
     aggregate_loss,
-    entropy_from_logits,
     gae,
     grpo_advantages,
     importance_weights,
@@ -535,13 +535,10 @@ class Trainer:
         """Log-probs (and optionally entropy) of the response tokens only, flat ``[n]``."""
         assert model is not None
         picked, targets = mb.logits_and_targets(model, prefix_model)  # [n, V]: response positions only
-        logp = logprobs_from_logits(picked, targets, self.temperature)
-        if not with_entropy:
-            return logp
-        # Entropy is always a metric, a gradient term only with entropy_coef > 0: skip its graph otherwise.
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(picked.float() / self.temperature)
-        return logp, entropy
+        # In chunks: no whole-vocabulary float32 tensor (runtime.models.logprobs.logprobs_and_entropy). Entropy is
+        # always a metric, a gradient term only with entropy_coef > 0.
+        logp, entropy = logprobs_and_entropy(picked, targets, self.temperature, entropy_grad=entropy_grad)
+        return (logp, entropy) if with_entropy else logp
 
     def _mini_batches(self, n: int, step: int) -> list[list[int]]:
         k = self.spec.trainer.updates_per_step

@@ -214,12 +214,6 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return loss, {"value_clip_fraction": (loss_clipped > loss_unclipped).to(values.dtype).detach() * mask}
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution, ``[..., V] -> [...]``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
 def whiten(values: Tensor, mask: Tensor, mean: Tensor, var: Tensor, eps: float = 1e-8) -> Tensor:
     """``(values - mean) / sqrt(var + eps)`` inside the mask, 0 outside (PPO advantage normalisation)."""
     return (values - mean) * torch.rsqrt(var + eps) * mask.to(values.dtype)
