@@ -36,6 +36,11 @@ function yAxisWidth(labels) {
   return Math.max(60, 22 + 7 * longest);
 }
 
+// The legend's value under the cursor, with the axis' notation (uPlot's default rounds 1e-7 to "0").
+function hoverValue(u, v) {
+  return v === null || v === undefined ? "--" : formatTicks([v])[0]; // "--": uPlot's own "no value"
+}
+
 export class MetricChart {
   // keys: metric names drawn together; opts: {xMode: "step"|"time"|"relative", smoothing, log, t0}
   constructor(container, title, keys, opts) {
@@ -159,9 +164,9 @@ export class MetricChart {
     this.keys.forEach((key, i) => {
       const color = COLORS[i % COLORS.length];
       const label = this.opts.smoothing > 0 ? `${key} (EMA)` : key;
-      series.push({ label, stroke: color, width: 1.5, spanGaps: true, points: { show: false } });
+      series.push({ label, stroke: color, width: 1.5, spanGaps: true, points: { show: false }, value: hoverValue });
       if (this._withRewound) {
-        series.push({ label: `${key} rewound`, stroke: "#9ca3af", dash: [4, 4], width: 1, spanGaps: true, points: { show: false } });
+        series.push({ label: `${key} rewound`, stroke: "#9ca3af", dash: [4, 4], width: 1, spanGaps: true, points: { show: false }, value: hoverValue });
       }
     });
     const opts = {

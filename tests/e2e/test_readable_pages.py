@@ -100,6 +100,14 @@ def test_tick_labels_keep_tiny_and_small_values_apart(server, login_as, in_threa
         }"""
     )
     assert axis == ["0", "0.0005", "0.001"]
+    # and the legend's value under the cursor keeps the same notation (uPlot's default shows 1e-7 as "0")
+    hover = page.evaluate(
+        """() => {
+            const plot = window.tandemCharts.find((c) => c.title === "Engine vs trainer log-prob gap").plot;
+            return [1.5e-7, 0.0005, null].map((v) => plot.series[1].value(plot, v, 1, 0));
+        }"""
+    )
+    assert hover == ["1.5e-7", "0.0005", "--"]
 
 
 def test_event_details_are_labelled_fields_and_long_ones_fold(
