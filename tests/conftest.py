@@ -20,6 +20,31 @@ def pytest_configure(config):
     from django.conf import settings
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    _flush_retries_a_deadlock()
+
+
+FLUSH_ATTEMPTS = 5
+
+
+def _flush_retries_a_deadlock() -> None:
+    """A transactional test ends by TRUNCATE-ing every table, while the real Celery worker and server of the
+    platform tests may still be reading some (heartbeats, supervision, admission). TRUNCATE locks the tables
+    one by one, so PostgreSQL can find it and such a reader in a deadlock and cancel the TRUNCATE, which rolls
+    back whole: it is then simply run again (the reader's transaction went on and ended)."""
+    from django.core.management.base import CommandError
+    from django.core.management.commands import flush
+
+    handle = flush.Command.handle
+
+    def retrying(self, *args, **options):
+        for attempt in range(FLUSH_ATTEMPTS):
+            try:
+                return handle(self, *args, **options)
+            except CommandError as exc:
+                if attempt == FLUSH_ATTEMPTS - 1 or "deadlock detected" not in str(exc.__cause__):
+                    raise
+
+    flush.Command.handle = retrying
 
 
 SPEC_1_DEVICE = "name: tiny\nresources:\n  device: cpu\n  trainer_devices: 1\n"
