@@ -47,6 +47,7 @@ def _strategies_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 "published": trainer.publish_state(),
             }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # neither rank tears the group down while the other still talks on it
     finally:
         dist.destroy_process_group()
 
@@ -103,6 +104,7 @@ def _state_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 },
             }
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # neither rank tears the group down while the other still talks on it
     finally:
         dist.destroy_process_group()
 
