@@ -59,13 +59,22 @@ def logprobs_and_entropy(
     token, and today's path keeps several). ``entropy_grad=False``: the entropy is a metric only (no gradient
     flows through it). temperature <= 0 scores with temperature 1, as :func:`logprobs_from_logits`.
     """
+    logp, entropy = _ChunkedLogprobs.apply(logits, token_ids, _scale(logits, token_ids, temperature), True)
+    return logp, entropy if entropy_grad else entropy.detach()
+
+
+def chunked_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The log-probs of :func:`logprobs_and_entropy` alone, without the entropy's extra pass over each chunk."""
+    return _ChunkedLogprobs.apply(logits, token_ids, _scale(logits, token_ids, temperature), False)[0]
+
+
+def _scale(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> float:
+    """1 / temperature (1 for greedy's temperature <= 0), once the shapes are checked."""
     if logits.dim() != 2 or token_ids.shape != logits.shape[:1]:
         raise ValueError(
             f"logits must be [n, V] and token_ids [n], got {list(logits.shape)} and {list(token_ids.shape)}"
         )
-    scale = 1.0 / temperature if temperature > 0 else 1.0
-    logp, entropy = _ChunkedLogprobs.apply(logits, token_ids, scale)
-    return logp, entropy if entropy_grad else entropy.detach()
+    return 1.0 / temperature if temperature > 0 else 1.0
 
 
 def _rows_per_chunk(vocab: int) -> int:
@@ -77,28 +86,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
     Gradients per row: d log p_c / dz_j = [j = c] - p_j; dH / dz_j = -p_j (z_j - E_p[z])."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, token_ids: torch.Tensor, scale: float):  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, token_ids: torch.Tensor, scale: float, with_entropy: bool):  # type: ignore[override]
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        mean_z = torch.empty_like(lse)  # E_p[z], for the entropy and its gradient
+        mean_z = torch.zeros_like(lse)  # E_p[z], for the entropy and its gradient (left 0 without the entropy)
         chosen = torch.empty_like(lse)
         step = _rows_per_chunk(logits.shape[1])
         for start in range(0, n, step):
-            z = logits[start : start + step].float() * scale
-            lse_c = torch.logsumexp(z, dim=-1)
-            p = torch.exp(z - lse_c.unsqueeze(-1))
-            lse[start : start + step] = lse_c
-            mean_z[start : start + step] = (p * z).sum(-1)
-            chosen[start : start + step] = z.gather(-1, token_ids[start : start + step].unsqueeze(-1)).squeeze(-1)
+            rows = slice(start, start + step)
+            z = logits[rows].float() * scale
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            if with_entropy:
+                mean_z[rows] = (torch.exp(z - lse[rows].unsqueeze(-1)) * z).sum(-1)
+            chosen[rows] = z.gather(-1, token_ids[rows].unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(logits, token_ids, lse, mean_z)
         ctx.scale = scale
         ctx.mark_non_differentiable(token_ids)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no pass for it in backward
         return chosen - lse, lse - mean_z
 
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):  # type: ignore[override]
         logits, token_ids, lse, mean_z = ctx.saved_tensors
         scale = ctx.scale
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None
         grad = torch.empty_like(logits)
         step = _rows_per_chunk(logits.shape[1])
         for start in range(0, logits.shape[0], step):
@@ -113,4 +125,4 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if grad_entropy is not None:
                 g -= grad_entropy[rows].float().unsqueeze(-1) * p * (z - mean_z[rows].unsqueeze(-1))
             grad[rows] = (g * scale).to(logits.dtype)
-        return grad, None, None
+        return grad, None, None, None

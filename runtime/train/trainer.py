@@ -70,7 +70,7 @@ from runtime.contract import (
     STALENESS_MEAN,
     TRAIN_TOKENS_PER_S,
 )
-from runtime.models.logprobs import logprobs_and_entropy, positions_from_mask
+from runtime.models.logprobs import chunked_logprobs, logprobs_and_entropy, positions_from_mask
 from runtime.samples import Sample
 from runtime.train.algos.core import (
     aggregate_loss,
@@ -537,8 +537,9 @@ class Trainer:
         picked, targets = mb.logits_and_targets(model, prefix_model)  # [n, V]: response positions only
         # In chunks: no whole-vocabulary float32 tensor (runtime.models.logprobs.logprobs_and_entropy). Entropy is
         # always a metric, a gradient term only with entropy_coef > 0.
-        logp, entropy = logprobs_and_entropy(picked, targets, self.temperature, entropy_grad=entropy_grad)
-        return (logp, entropy) if with_entropy else logp
+        if not with_entropy:
+            return chunked_logprobs(picked, targets, self.temperature)
+        return logprobs_and_entropy(picked, targets, self.temperature, entropy_grad=entropy_grad)
 
     def _mini_batches(self, n: int, step: int) -> list[list[int]]:
         k = self.spec.trainer.updates_per_step

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.models import logprobs as L
-from runtime.models.logprobs import logprobs_and_entropy, logprobs_from_logits
+from runtime.models.logprobs import chunked_logprobs, logprobs_and_entropy, logprobs_from_logits
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -54,6 +54,20 @@ def test_each_output_alone_gets_its_own_gradient(small_chunks):
         torch.testing.assert_close(logits.grad.double(), ref.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_alone_equal_the_whole_vocabulary_computation(small_chunks, temperature):
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(10, 37, generator=gen) * 3).requires_grad_()
+    targets = torch.randint(0, 37, (10,), generator=gen)
+    logp = chunked_logprobs(logits, targets, temperature)
+    logp.sum().backward()
+    ref = logits.detach().double().requires_grad_()
+    ref_logp = reference(ref, targets, temperature)[0]
+    ref_logp.sum().backward()
+    torch.testing.assert_close(logp.double(), ref_logp.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), ref.grad, rtol=0, atol=1e-5)
+
+
 def test_an_entropy_without_gradient_leaves_the_log_prob_gradient_alone():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(5, 11, generator=gen).requires_grad_()
@@ -81,5 +95,6 @@ def test_bfloat16_logits_get_a_bfloat16_gradient_of_the_float32_computation():
 
 
 def test_shapes_that_are_not_flat_rows_are_refused():
-    with pytest.raises(ValueError, match=r"logits must be \[n, V\] and token_ids \[n\]"):
-        logprobs_and_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
+    for fn in (logprobs_and_entropy, chunked_logprobs):
+        with pytest.raises(ValueError, match=r"logits must be \[n, V\] and token_ids \[n\]"):
+            fn(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long))
