@@ -584,7 +584,7 @@ def _runtime_cli(*argv: str) -> None:
 
 def sft_warm_start(w: Workload, out: Path, engine: str = "builtin") -> Path:
     """The SFT warm start both systems begin from: the built-in tiny-qwen2 with the char tokenizer (builtin), or
-    (vllm) a head_dim-64 directory with a BPE tokenizer trained on this workload's task, by the runtime's CLI."""
+    (vllm) a head_dim-64 directory with a byte-level tokenizer without merges, by the runtime's CLI."""
     model_dir = out / "sft"
     out.mkdir(parents=True, exist_ok=True)
     if engine == "vllm":
@@ -703,10 +703,9 @@ def print_time_split(table: dict[str, Any]) -> None:
         f"time per step, s: {'system':17} {'generate':>8} {'w. sync':>8} {'train':>8} {'wait':>8} {'step':>8}"
         " (TRL: generate = step start to the reward call, train = the rest of the step)"
     )
-    keys = ("time/generate", "time/weight_sync", "time/train", "time/wait", "time/step")
     for system, r in table.items():
         t = r.get("time_per_step") or {}
-        print(f"{'':18}{system:17} " + " ".join(f"{t[k]:8.4f}" if k in t else f"{'-':>8}" for k in keys))
+        print(f"{'':18}{system:17} " + " ".join(f"{t[k]:8.4f}" if k in t else f"{'-':>8}" for k in TIME_KEYS))
 
 
 def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -799,7 +798,7 @@ def main() -> None:
         choices=("builtin", "vllm"),
         default="builtin",
         help="generation: builtin (Tandem's engine, TRL's generate, the char model) or vllm (both on vLLM's CPU "
-        "build, a head_dim-64 BPE model; TRL falls back to its own generation where its vLLM path fails)",
+        "build, a head_dim-64 model with a no-merge byte tokenizer; TRL falls back to its own generation where its vLLM path fails)",
     )
     parser.add_argument(
         "--no-trl-defaults", dest="trl_defaults", action="store_false", help="skip the TRL shipped-defaults round"
