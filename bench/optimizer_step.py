@@ -46,13 +46,10 @@ def parameters(name: str) -> list[torch.Tensor]:
     for key, value in (MODELS[name] or {}).items():
         setattr(cfg, key, value)
     torch.manual_seed(0)
-    model = DecoderForCausalLM(cfg)
-    out = []
-    for p in model.parameters():
-        q = p.detach().clone().requires_grad_(True)
-        q.grad = torch.randn_like(q) * 1e-2
-        out.append(q)
-    return out
+    params = list(DecoderForCausalLM(cfg).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    return params
 
 
 def build(variant: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -80,7 +77,6 @@ def main() -> None:
     args = ap.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     steps = args.steps or (5 if args.quick else 20)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     variants = ["foreach", "single", "trainer"]  # trainer: runtime.train.optimizer.AdamW, fused
     result: dict = {"threads": torch.get_num_threads(), "rounds": rounds, "steps": steps, "models": {}}
     for name in MODELS:

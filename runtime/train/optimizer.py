@@ -1,7 +1,7 @@
 """The optimizer every trainer builds: ``torch.optim.AdamW`` on torch's fused kernel wherever torch has one.
 
 ``torch.optim.AdamW(fused=True)`` runs the whole update in one kernel per device and dtype: on CUDA, on Ascend
-(torch_npu registers it for the ``npu`` device) and on CPU. On CPU it is 4-10x faster a step than the
+(torch_npu registers it for the ``npu`` device) and on CPU. On CPU it is 3-7x faster a step than the
 multi-tensor (``foreach``) update, the runtime's own AdamW before it included (``bench/optimizer_step.py``,
 RESULTS.md), so there is one optimizer on every device. The runtime's own AdamW avoided importing
 ``torch._dynamo`` (about 1 s of start-up); start-up is no longer worth a slower step, nor a second copy of
@@ -52,20 +52,19 @@ class AdamW(torch.optim.AdamW):
     ) -> None:
         entries: list[Any] = list(params)
         fused = _first_device(entries).type in FUSED_DEVICE_TYPES
-        self._kernel: dict[str, bool | None] = {"fused": True if fused else None, "foreach": None if fused else True}
         super().__init__(
-            entries, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=self._kernel["fused"],
-            foreach=self._kernel["foreach"],
+            entries, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True if fused else None,
+            foreach=None if fused else True,
         )  # fmt: skip
 
     @property
     def fused(self) -> bool:
-        return bool(self._kernel["fused"])
+        return bool(self.defaults["fused"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            group.update(self._kernel)
+            group.update(fused=self.defaults["fused"], foreach=self.defaults["foreach"])
             if not self.fused:
                 continue
             for p in group["params"]:
