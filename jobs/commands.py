@@ -38,6 +38,7 @@ from django.utils import timezone
 
 from jobs import handler, series_store, stream
 from jobs.handler import Conflict, InvalidInput
+from jobs.metrics import instruments
 from jobs.models import CheckpointRecord, Command, CommandKind, CommandState, ConfigVersion, Run
 from jobs.states import CANCELLABLE_STATES, IllegalTransition, RunState
 from rlplatform import audit
@@ -306,6 +307,7 @@ def complete(run_id: int, command_id: int, state: str, message: str = "") -> Com
         command.state, command.message, command.finished_at = state, message, timezone.now()
         command.save(update_fields=["state", "message", "finished_at"])
         _record(None, "command.complete", command, before)
+        instruments.observe_command_ack(command.kind, state, (command.finished_at - command.created_at).total_seconds())
         rollback = state == CommandState.DONE and command.kind == CommandKind.ROLLBACK
         if rollback:
             # Metric rows before the stream counter, the order ingest takes them in: a replay merging rows

@@ -26,6 +26,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from jobs import accounting, admission, confinement, queue_order, spec_files, stream
+from jobs.alerts import kinds as alert_kinds
 from jobs.ingest.tokens import REVOKED_AT, revoke_run_tokens
 from jobs.lifecycle.dispatch import request_launch
 from jobs.models import Experiment, Run
@@ -364,6 +365,7 @@ def submit_run(
                 parent_checkpoint=parent_checkpoint or "",
                 created_by=_user(actor),
             )
+            alert_kinds.create_defaults(run)  # every run's default alert rules (README "Alerts")
     except IntegrityError:
         # A concurrent submit with the same submission_id won the insert.
         existing = Run.objects.filter(experiment=experiment, submission_id=submission_id).first()

@@ -479,3 +479,65 @@ class RunStreamEntry(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} #{self.seq} {self.type}"
+
+
+# --- Alerts (jobs.alerts): per-run rules evaluated as metrics arrive, webhook deliveries ----------------
+
+
+class AlertRule(models.Model):
+    """One alert rule of a run (jobs.alerts.rules: the kinds and what ``threshold`` means for each), with
+    its evaluation state: whether it fires now, and what the next evaluation continues from."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="alert_rules")
+    kind = models.CharField(max_length=20)
+    metric = models.CharField(max_length=200, blank=True, help_text="The metric it watches (blank: the kind's own)")
+    threshold = models.FloatField(help_text="What it compares with; its meaning depends on the kind")
+    enabled = models.BooleanField(default=True)
+    firing = models.BooleanField(default=False)
+    value = models.FloatField(null=True, blank=True, help_text="The value at the last firing or resolving")
+    changed_at = models.DateTimeField(null=True, blank=True, help_text="When it last fired or resolved")
+    last_step = models.BigIntegerField(null=True, blank=True, help_text="Newest step evaluated")
+    streak = models.PositiveIntegerField(default=0, help_text="staleness: consecutive steps at the bound")
+    history = models.JSONField(default=list, blank=True, help_text="throughput: the recent values (the median's)")
+    seen_at = models.DateTimeField(null=True, blank=True, help_text="no_step: when the run's newest step arrived")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run_id", "pk"]
+        constraints = [models.UniqueConstraint(fields=["run", "kind", "metric"], name="alertrule_unique_kind")]
+        indexes = [models.Index(fields=["kind", "enabled", "firing"], name="alertrule_kind_state")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} alert {self.kind} {self.metric} {self.threshold:g}"
+
+
+class AlertWebhook(models.Model):
+    """Where a run's alert transitions are POSTed (jobs.alerts.webhook); no row: no webhook."""
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="alert_webhook")
+    url = models.URLField(max_length=500)
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} webhook {self.url}"
+
+
+class AlertDelivery(models.Model):
+    """One webhook delivery of one transition: pending until delivered, or failed after its retries."""
+
+    PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="alert_deliveries")
+    rule = models.ForeignKey(AlertRule, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    url = models.URLField(max_length=500)
+    body = models.JSONField()
+    state = models.CharField(max_length=10, default=PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True, help_text="Why the last attempt failed")
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "pk"]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} delivery {self.pk} {self.state}"

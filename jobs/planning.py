@@ -241,6 +241,8 @@ BUILTIN_DIMS: dict[str, dict[str, Any]] = {
                        intermediate_size=384, vocab_size=100),
     "small-qwen2": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                         intermediate_size=768, vocab_size=100),
+    "medium-qwen2": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
+                         intermediate_size=1024, vocab_size=100),
 }  # fmt: skip
 
 

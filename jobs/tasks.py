@@ -14,6 +14,7 @@ from celery import shared_task
 from django.db import transaction
 
 from jobs import accounting, admission, checkpoints, launch, preemption, stream, supervisor
+from jobs.alerts import tasks as alert_tasks  # noqa: F401 (registers the alerts' tasks with the worker)
 from jobs.lifecycle import watchdog
 from jobs.lifecycle.dispatch import request_launch
 from jobs.models import Allocation, CheckpointRecord, Run

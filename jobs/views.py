@@ -25,9 +25,12 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from jobs import commands, handler, queue_order, start_estimate, stream
+from jobs import commands, device_usage, handler, queue_order, start_estimate, stream
+from jobs.alerts import evaluate as alerts
+from jobs.alerts import rules as alert_rules
 from jobs.api_docs import api_docs_page
 from jobs.config_history import config_history
+from jobs.device_charts import device_groups
 from jobs.models import (
     CheckpointRecord,
     Command,
@@ -96,8 +99,16 @@ def experiment(request: HttpRequest, pk: int) -> HttpResponse:
         "state": state,
         "states": [st.value for st in RunState],
         "can_submit": perms.can_edit(request.user, exp.team_id),
+        "alerts": _firing_alerts(Run.objects.filter(experiment=exp)),
     }
     return render(request, "jobs/experiment.html", context)
+
+
+def _firing_alerts(runs) -> list[dict]:
+    """The runs list's alert banner: each firing rule of these runs (jobs.alerts), one query."""
+    ids = list(runs.filter(alert_rules__firing=True, alert_rules__enabled=True).values_list("pk", "name").distinct())
+    firing = alerts.firing([pk for pk, _name in ids])
+    return [{"run": pk, "name": name, "rules": firing.get(pk, [])} for pk, name in sorted(ids) if firing.get(pk)]
 
 
 # The run page's chart groups: (group, [(chart title, [metric names])]); names are runtime.metrics'.
@@ -277,15 +288,14 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
     ]
     can_edit = perms.can_edit(request.user, run.experiment.team_id)
     checkpoints = list(run.checkpoints.order_by("-step", "-pk")[:200])
+    groups = [*chart_groups(run), *device_groups(run)]  # the run's telemetry charted per device
     live = {
         "run": run.pk,
         "state": run.state,
         "can_edit": can_edit,
         # Which controls each state allows (jobs.commands.ALLOWED_FROM); the server re-checks every one.
         "allowed": {str(kind): sorted(st.value for st in states) for kind, states in commands.ALLOWED_FROM.items()},
-        "groups": [
-            {"title": g, "charts": [{"title": t, "keys": k} for t, k in charts]} for g, charts in chart_groups(run)
-        ],
+        "groups": [{"title": g, "charts": [{"title": t, "keys": k} for t, k in charts]} for g, charts in groups],
         "checkpoints": [_checkpoint_row(c) for c in checkpoints],
         # As the stream's event entries carry them (JSON, not a Python repr): run_page.js draws both alike.
         "events": [
@@ -296,6 +306,9 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "start": (run.started_at or run.submitted_at).timestamp(),
         # The page shows everything up to here (tables rendered now, charts fetched after): the stream resumes after it.
         "stream_seq": _stream_seq(run),
+        # The alert rules with their state, and the webhook (jobs.alerts; frontend/js/alerts.js).
+        "alerts": [alert_rules.rule_body(r) for r in run.alert_rules.order_by("pk")],
+        "alert_webhook": alert_rules.webhook_url(run) if can_edit else "",
     }
     context = {
         "run": run,
@@ -307,12 +320,13 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "can_edit": can_edit,
         "resolved_spec": _yaml(run.resolved_spec),
         "live": live,
-        "chart_groups": chart_groups(run),
+        "chart_groups": groups,
         "roles": run.heartbeats.order_by("role", "-attempt"),
         "commands": Command.objects.filter(run=run).order_by("-pk")[:20],
         "configs": _config_rows(run),
         "checkpoints": checkpoints,
         "safe_params": commands.live_params(run),
+        "alerts": [{"run": run.pk, "name": run.name, "rules": alerts.firing([run.pk]).get(run.pk, [])}],
     }
     return render(request, "jobs/run.html", context)
 
@@ -407,8 +421,10 @@ def cluster(request: HttpRequest) -> HttpResponse:
         .order_by("group_id", "name")
     )
     by_group: dict[int, list[Host]] = {}
+    device_rows = device_usage.rows_by_host(hosts, _visible_runs(request.user))
     for host in hosts:
         host.n_free = max(host.n_devices - host.n_used - host.n_unhealthy, 0)
+        host.device_rows = device_rows.get(host.pk, [])  # utilisation, memory, holder (the agent's heartbeat)
         by_group.setdefault(host.group_id, []).append(host)
     queued = queue_order.annotate_positions(
         _visible_runs(request.user).filter(state=RunState.QUEUED).select_related("experiment__group")

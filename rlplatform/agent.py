@@ -133,13 +133,15 @@ class HostAgent:
             self.register()
             return
         try:
-            health = {d.index: d.healthy for d in self._probe()}
+            devices = self._probe()
+            health = {d.index: d.healthy for d in devices}
+            usage = {d.index: d.usage() for d in devices if d.usage()}  # utilisation, memory: the Cluster page
         except inventory.InventoryError as exc:
             # The tool hanging is not the devices failing: report liveness only, keep their health as it was.
             logger.warning("host agent %s: device probe failed: %s", self.config.host_name, exc)
-            health = None
+            health, usage = None, None
         try:
-            result = hosts.heartbeat(self.config.host_name, health)
+            result = hosts.heartbeat(self.config.host_name, health, usage)
         except hosts.UnknownHost:
             self.registered = False
             self.register()

@@ -25,6 +25,7 @@ from channels.security.websocket import OriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from jobs.api.fast_status import RunStatusFastPath  # noqa: E402
+from jobs.metrics.process_exit import lifespan  # noqa: E402
 from jobs.routing import websocket_urlpatterns  # noqa: E402
 
 
@@ -46,5 +47,6 @@ application = ProtocolTypeRouter(
     {
         "http": RunStatusFastPath(django_asgi_app),
         "websocket": AllowedHostsOrigins(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "lifespan": lifespan,  # a worker's shutdown marks it dead for /metrics' multiprocess files
     }
 )

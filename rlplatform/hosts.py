@@ -27,6 +27,7 @@ from datetime import timedelta
 
 from django.db import transaction
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from rlplatform import locks
 from rlplatform.inventory import DeviceInfo
@@ -209,15 +210,48 @@ def _clean_health(devices_health) -> dict[int, bool] | None:
     return clean
 
 
-def heartbeat(host_name: str, devices_health: Mapping[int | str, bool] | None = None) -> Beat:
+_USAGE_FIELDS = {"util_pct": (0.0, 100.0), "mem_used_mb": (0, 2**40)}
+
+
+def _clean_usage(devices_usage) -> dict[int, dict[str, float | int]] | None:
+    """``{index: {util_pct, mem_used_mb}}`` as the agent read it; a value out of range or of the wrong type is
+    a HostError naming it (the agent's own parsers give none)."""
+    if devices_usage is None:
+        return None
+    if not isinstance(devices_usage, Mapping):
+        raise HostError(f"devices_usage: expected an object of index: usage, got {type(devices_usage).__name__}")
+    clean: dict[int, dict[str, float | int]] = {}
+    for key, usage in devices_usage.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise HostError(f"devices_usage: key {key!r} is not a device index") from None
+        if index < 0 or not isinstance(usage, Mapping) or set(usage) - set(_USAGE_FIELDS):
+            raise HostError(f"devices_usage.{key}: expected an object of {', '.join(_USAGE_FIELDS)}")
+        for name, value in usage.items():
+            low, high = _USAGE_FIELDS[name]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+                raise HostError(f"devices_usage.{key}.{name}: expected a number in [{low}, {high}], got {value!r}")
+        clean[index] = dict(usage)
+    return clean
+
+
+def heartbeat(
+    host_name: str,
+    devices_health: Mapping[int | str, bool] | None = None,
+    devices_usage: Mapping[int | str, Mapping[str, float | int]] | None = None,
+) -> Beat:
     """Record that ``host_name``'s agent is alive; a LOST host becomes ONLINE again.
 
     ``devices_health`` is the host's full inventory ``{index: healthy}`` (None:
     liveness only, e.g. when the probe itself failed). Devices missing from it
     are marked unhealthy; indices the platform does not know are returned in
-    ``unknown_indices`` so the agent can register them.
+    ``unknown_indices`` so the agent can register them. ``devices_usage``
+    (``{index: {"util_pct", "mem_used_mb"}}``, what the tool read) is stored on
+    each known device with the time it arrived, for the Cluster page.
     """
     health = _clean_health(devices_health)
+    usage = _clean_usage(devices_usage)
     with transaction.atomic():
         # Order matters against mark_lost_hosts: see the module docstring.
         alive = Host.objects.filter(name=host_name).exclude(status=HostStatus.LOST).update(last_heartbeat=Now())
@@ -241,11 +275,21 @@ def heartbeat(host_name: str, devices_health: Mapping[int | str, bool] | None = 
                     beat.health_changed.extend(indices)
             beat.health_changed.sort()
             beat.unknown_indices = sorted(set(health) - set(known))
+        if usage:
+            _store_usage(host_name, usage)
     if came_back:
         logger.warning("host %s is back online after being lost", host_name)
     if beat.health_changed:
         logger.warning("host %s: device health changed for indices %s", host_name, beat.health_changed)
     return beat
+
+
+def _store_usage(host_name: str, usage: Mapping[int, Mapping[str, float | int]]) -> None:
+    at = timezone.now().isoformat()
+    devices = list(Device.objects.filter(host__name=host_name, index__in=list(usage)))
+    for device in devices:
+        device.usage = {**usage[device.index], "at": at}
+    Device.objects.bulk_update(devices, ["usage"])
 
 
 def mark_lost_hosts(grace_s: float) -> list[str]:

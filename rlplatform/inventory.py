@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 
 PROBE_TIMEOUT_S = 20.0
@@ -37,6 +38,7 @@ NVIDIA_QUERY_FIELDS = (
     "memory.used",
     "ecc.errors.uncorrected.volatile.total",
     "retired_pages.pending",
+    "utilization.gpu",
 )
 NVIDIA_SMI_COMMAND = (
     "nvidia-smi",
@@ -70,6 +72,19 @@ class DeviceInfo:
     memory_mb: int = 0
     healthy: bool = True
     health: str = "OK"
+    # What the tool says the device is doing now (None: not reported), sent with each heartbeat:
+    # (not part of equality: a device is the same device whatever it is doing)
+    util_pct: float | None = dc_field(default=None, compare=False)
+    mem_used_mb: int | None = dc_field(default=None, compare=False)
+
+    def usage(self) -> dict[str, float | int]:
+        """The device's utilisation (%) and memory in use (MB), those the tool reported."""
+        out: dict[str, float | int] = {}
+        if self.util_pct is not None:
+            out["util_pct"] = self.util_pct
+        if self.mem_used_mb is not None:
+            out["mem_used_mb"] = self.mem_used_mb
+        return out
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +94,7 @@ class DeviceInfo:
         """Validate a device sent as JSON (Celery task arguments); errors name the field."""
         if not isinstance(data, dict):
             raise ValueError(f"{field}: expected an object, got {type(data).__name__}")
-        unknown = set(data) - {"index", "kind", "model", "memory_mb", "healthy", "health"}
+        unknown = set(data) - {"index", "kind", "model", "memory_mb", "healthy", "health", "util_pct", "mem_used_mb"}
         if unknown:
             raise ValueError(f"{field}: unknown keys {sorted(unknown)}")
         index = data.get("index")
@@ -123,6 +138,15 @@ def _memory_total(cell: str) -> int:
     return nonzero[-1] if nonzero else 0
 
 
+def _npu_usage(cell: str) -> tuple[float | None, int | None]:
+    """``AICore(%)  Memory-Usage(MB)  HBM-Usage(MB)`` of a chip row: the AI-core usage and the memory in use
+    of the pair ``_memory_total`` reads (None where the cell does not say)."""
+    first = cell.split()[:1]
+    util = float(first[0]) if first and _is_int(first[0]) else None
+    used = [int(u) for u, total in _PAIR.findall(cell) if int(total) > 0]
+    return util, (used[-1] if used else None)
+
+
 def parse_npu_smi_info(text: str) -> list[DeviceInfo]:
     """Devices (one per chip) from the text of ``npu-smi info``.
 
@@ -155,7 +179,9 @@ def parse_npu_smi_info(text: str) -> list[DeviceInfo]:
     next_index = 0
     seen: set[int] = set()
 
-    def add(model: str, health_word: str, memory: int, device_id: int | None) -> None:
+    def add(
+        model: str, health_word: str, memory: int, device_id: int | None, usage: tuple[float | None, int | None]
+    ) -> None:
         nonlocal next_index
         index = device_id if device_id is not None else next_index
         while index in seen:  # a malformed table repeating ids: never give two chips one index
@@ -171,13 +197,15 @@ def parse_npu_smi_info(text: str) -> list[DeviceInfo]:
                 memory_mb=memory,
                 healthy=word.upper() == "OK",
                 health=word,
+                util_pct=usage[0],
+                mem_used_mb=usage[1],
             )
         )
 
     def close_card() -> None:
         # A card row without chip rows (truncated output): still one device, so it is not lost.
         if card is not None and not card_has_chips:
-            add(card[0], card[1], 0, None)
+            add(card[0], card[1], 0, None, (None, None))
 
     for line in lines[start + 2 :]:
         stripped = line.strip()
@@ -210,7 +238,7 @@ def parse_npu_smi_info(text: str) -> list[DeviceInfo]:
         card_has_chips = True
         device_id = int(first[1]) if has_device_column and len(first) >= 2 and _is_int(first[1]) else None
         memory = _memory_total(cells[2]) if len(cells) > 2 else 0
-        add(card[0], card[1], memory, device_id)
+        add(card[0], card[1], memory, device_id, _npu_usage(cells[2]) if len(cells) > 2 else (None, None))
     close_card()
     return sorted(devices, key=lambda d: d.index)
 
@@ -279,9 +307,18 @@ def parse_nvidia_smi_csv(text: str) -> list[DeviceInfo]:
                 memory_mb=max(_nvidia_int(parsed.get("memory.total")) or 0, 0),
                 healthy=not problems,
                 health="; ".join(problems) or "OK",
+                util_pct=_nvidia_number(parsed.get("utilization.gpu")),
+                mem_used_mb=_nvidia_int(parsed.get("memory.used")),
             )
         )
     return sorted(devices, key=lambda d: d.index)
+
+
+def _nvidia_number(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 # --- CPU and the probe itself --------------------------------------------------------
@@ -314,7 +351,24 @@ def probe_cpu(count: int | None = None) -> list[DeviceInfo]:
     if count < 1:
         raise InventoryError(f"CPU device count must be >= 1, got {count}")
     model, memory = _cpu_model(), _total_memory_mb() // count
-    return [DeviceInfo(index=i, kind="cpu", model=model, memory_mb=memory) for i in range(count)]
+    util, used = _cpu_usage(count)
+    return [
+        DeviceInfo(index=i, kind="cpu", model=model, memory_mb=memory, util_pct=util[i], mem_used_mb=used)
+        for i in range(count)
+    ]
+
+
+def _cpu_usage(count: int) -> tuple[list[float | None], int | None]:
+    """Per CPU device: the busy share of its core since the previous call (psutil; the first call says 0), and
+    the host's memory in use split evenly, as ``memory_mb`` is."""
+    try:
+        import psutil
+    except ImportError:
+        return [None] * count, None
+    cores = psutil.cpu_percent(percpu=True)
+    util: list[float | None] = [float(cores[i]) if i < len(cores) else None for i in range(count)]
+    memory = psutil.virtual_memory()
+    return util, (memory.total - memory.available) // (1024 * 1024) // count
 
 
 def _run(command: tuple[str, ...], timeout: float) -> str:

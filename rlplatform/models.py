@@ -2,7 +2,8 @@
 
 Team / Membership (roles viewer < editor < admin) over Django users;
 ResourceGroup (a pool of one device kind) / Host / Device; Quota (the limits
-of one experiment inside one group); APIToken (hashed at rest); AuditLog.
+of one experiment inside one group); APIToken (hashed at rest); AuditLog;
+ScrapeToken (the one credential of /metrics, hashed at rest).
 Runs and allocations live in the jobs app, which depends on this one.
 """
 
@@ -141,6 +142,11 @@ class Device(models.Model):
     model = models.CharField(max_length=100, blank=True)
     memory_mb = models.PositiveIntegerField(default=0)
     healthy = models.BooleanField(default=True)
+    usage = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="The host agent's newest reading with its heartbeat: util_pct, mem_used_mb, at (ISO time)",
+    )
 
     class Meta:
         ordering = ["host_id", "index"]
@@ -239,3 +245,28 @@ class AuditLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.actor_name or 'system'} {self.action} {self.target_repr}"
+
+
+class ScrapeToken(models.Model):
+    """A bearer token that may read ``/metrics`` and nothing else (scope ``metrics:read``), for a Prometheus
+    server. It belongs to no team and acts as no user; only a hash is stored (rlplatform.scrape_tokens)."""
+
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True, help_text="Public lookup part of the token")
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"scrape token {self.name} ({self.prefix}…)"
+
+    def is_valid(self, now=None) -> bool:
+        now = now or timezone.now()
+        return self.revoked_at is None and self.expires_at > now

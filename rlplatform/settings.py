@@ -238,6 +238,15 @@ TANDEM_LAUNCH_TIMEOUT_S = env_float("TANDEM_LAUNCH_TIMEOUT_S", 120.0, minimum=1.
 TANDEM_WATCH_ROLES_S = env_float("TANDEM_WATCH_ROLES_S", 10.0, minimum=0.5)
 # A role that fails this many times on one host has its run requeued away from that host.
 TANDEM_HOST_FAILURE_LIMIT = env_int("TANDEM_HOST_FAILURE_LIMIT", 2, minimum=1)
+# Alerts (jobs/alerts/, README "Alerts"): how often beat looks for runs without a new step (one query),
+# and the webhook deliveries' retries (base x 2**n seconds apart), timeout, and whether they may reach
+# private addresses (off: loopback, private, link-local and reserved addresses are refused, against SSRF).
+TANDEM_ALERT_CHECK_S = env_float("TANDEM_ALERT_CHECK_S", 30.0, minimum=1.0)
+TANDEM_ALERT_WEBHOOK_RETRIES = env_int("TANDEM_ALERT_WEBHOOK_RETRIES", 5, minimum=0, maximum=20)
+TANDEM_ALERT_WEBHOOK_BACKOFF_S = env_float("TANDEM_ALERT_WEBHOOK_BACKOFF_S", 2.0, minimum=0.01)
+TANDEM_ALERT_WEBHOOK_TIMEOUT_S = env_float("TANDEM_ALERT_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1)
+TANDEM_ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("TANDEM_ALERT_WEBHOOK_ALLOW_PRIVATE", False)
+TANDEM_ALERT_QUEUE = "default"  # the deliveries' Celery queue
 CELERY_BEAT_SCHEDULE = {
     "watch-roles": {"task": "jobs.tasks.watch_roles", "schedule": TANDEM_WATCH_ROLES_S},
     "admit-pending": {"task": "jobs.tasks.admit_pending", "schedule": TANDEM_ADMISSION_INTERVAL_S},
@@ -247,6 +256,7 @@ CELERY_BEAT_SCHEDULE = {
         "task": "jobs.tasks.apply_checkpoint_retention",
         "schedule": TANDEM_RETENTION_INTERVAL_S,
     },
+    "alerts-no-step": {"task": "jobs.alerts.check_silent_runs", "schedule": TANDEM_ALERT_CHECK_S},
 }
 
 # --- Platform knobs -------------------------------------------------------------
@@ -261,6 +271,11 @@ TANDEM_DEFAULT_QUOTA = {
 # group (no starvation of large gangs). On: smaller runs may jump ahead.
 TANDEM_ADMISSION_BACKFILL = env_bool("TANDEM_ADMISSION_BACKFILL", False)
 TANDEM_TOKEN_TTL_DAYS = env_int("TANDEM_TOKEN_TTL_DAYS", 90, minimum=1, maximum=3650)
+# /metrics (jobs/metrics/): the counters that only a web process sees (ingest, command acks) are kept in
+# prometheus_client's multiprocess files here, shared by the processes of one machine and summed at scrape
+# time. One directory per machine (and per container: the files are named by pid); wiped at service start
+# (`python manage.py reset_metrics_dir`).
+TANDEM_PROMETHEUS_DIR = Path(env_str("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "prometheus")))
 # Open live-UI WebSockets re-check their user's access this often (jobs/consumers.py), besides at once
 # on a membership change: the backstop for changes made outside rlplatform.memberships.
 TANDEM_WS_ACCESS_RECHECK_S = env_float("TANDEM_WS_ACCESS_RECHECK_S", 30.0, minimum=0.1)

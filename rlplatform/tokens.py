@@ -132,10 +132,12 @@ def revoke(token: APIToken, actor=None) -> bool:
         return True
 
 
-def _split(raw: str) -> str | None:
-    if not raw or not raw.startswith(TOKEN_PREFIX):
+def _split(raw: str, token_prefix: str = TOKEN_PREFIX) -> str | None:
+    """The lookup prefix of ``<token_prefix><prefix>_<secret>``, or None when ``raw`` is not of that form
+    (scrape tokens, rlplatform.scrape_tokens, share the format under their own ``token_prefix``)."""
+    if not raw or not raw.startswith(token_prefix):
         return None
-    prefix, sep, secret = raw[len(TOKEN_PREFIX) :].partition("_")
+    prefix, sep, secret = raw[len(token_prefix) :].partition("_")
     if not sep or len(prefix) != 8 or not secret:
         return None
     return prefix

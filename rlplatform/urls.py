@@ -1,4 +1,4 @@
-"""Root URLconf: admin, the REST API under /api/, its schema and docs, login, and the pages."""
+"""Root URLconf: admin, the REST API under /api/, its schema and docs, login, /metrics, and the pages."""
 
 import mimetypes
 import posixpath
@@ -15,6 +15,7 @@ from rest_framework.routers import SimpleRouter
 
 from jobs import views as pages
 from jobs.api.urls import router as jobs_router
+from jobs.metrics.view import metrics_view
 from rlplatform import api
 from rlplatform.login_throttle import ThrottledLoginForm
 
@@ -35,6 +36,7 @@ urlpatterns = [
     path("api/", include(router.urls)),
     path("login/", auth_views.LoginView.as_view(authentication_form=ThrottledLoginForm), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("metrics", metrics_view, name="metrics"),  # Prometheus, with a scrape token (jobs/metrics/view.py)
     path("", include("jobs.urls")),
 ]
 

@@ -164,6 +164,7 @@ BUBBLE_TRAINER = "bubble/trainer"
 PADDING_RATIO = "train/padding_ratio"
 COMPUTED_TOKENS_RATIO = "train/computed_tokens_ratio"
 SHARED_PREFIX_SHARE = "train/shared_prefix"
+PACKED_SHARE = "train/packed"
 CONSISTENCY_DIFF_MEAN = "consistency/logprob_diff_mean"
 CONSISTENCY_DIFF_MAX = "consistency/logprob_diff_max"
 CONSISTENCY_KL = "consistency/kl"
@@ -227,6 +228,7 @@ METRICS: dict[str, str] = {
     COMPUTED_TOKENS_RATIO: "Tokens the training forwards computed (padding included) / the samples' prompt and "
     "response tokens: below 1 where a group's prompt ran once for all its samples.",
     SHARED_PREFIX_SHARE: "Share of the training micro-batches in the shared-prefix layout.",
+    PACKED_SHARE: "Share of the training micro-batches in the packed (padding-free) layout.",
     CONSISTENCY_DIFF_MEAN: "Mean |engine logprob - trainer logprob| over the step's response tokens.",
     CONSISTENCY_DIFF_MAX: "Largest such difference in this step.",
     CONSISTENCY_KL: "Per-token k3 estimate of KL(engine || trainer) on the engine's sampled tokens.",
@@ -257,6 +259,50 @@ METRICS: dict[str, str] = {
     TARGET_SYNC_WAIT: "Gym DQN: seconds this step's updates were held up by target syncs (background: ~0).",
     REPLAY_SIZE: "Gym DQN: transitions held in the replay buffer.",
 }
+
+# Device telemetry (runtime/telemetry.py): a series per role, device and field, named
+# ``device/<role>/<device>/<field>``: <role> the reporting role (trainer-0 outside the platform too), <device>
+# ``cpu`` (the role's process and its host) or ``cuda<i>`` / ``npu<i>`` (the role's i-th visible device).
+# Reported with the step in progress when a sample was taken, each sample once. Not in METRICS: the names
+# are made per run; DEVICE_METRICS gives each field's meaning.
+DEVICE_PREFIX = "device/"
+DEVICE_UTIL = "util"
+DEVICE_MEM_USED = "mem_used_bytes"
+DEVICE_MEM_PEAK = "mem_peak_bytes"
+DEVICE_POWER = "power_w"
+DEVICE_TEMP = "temp_c"
+DEVICE_HOST_MEM_USED = "host_mem_used_bytes"
+DEVICE_HOST_MEM_TOTAL = "host_mem_total_bytes"
+
+DEVICE_METRICS: dict[str, str] = {
+    DEVICE_UTIL: "Utilisation, percent: cpu the role's process's share of all the host's cores; an accelerator the "
+    "driver's busy figure (NVML's GPU utilisation, the NPU's AI-core usage).",
+    DEVICE_MEM_USED: "Memory in use, bytes: cpu the process's resident set; cuda the device's used memory (NVML, all "
+    "processes); npu the memory torch_npu has allocated for this process.",
+    DEVICE_MEM_PEAK: "Highest memory in use so far, bytes: cpu the process's peak resident set (getrusage); cuda the "
+    "highest sampled used memory; npu torch_npu's peak allocated memory.",
+    DEVICE_POWER: "Accelerators: power draw in watts, where the driver reports it.",
+    DEVICE_TEMP: "Accelerators: temperature in degrees Celsius, where the driver reports it.",
+    DEVICE_HOST_MEM_USED: "cpu: the host's memory in use (total - available), bytes.",
+    DEVICE_HOST_MEM_TOTAL: "cpu: the host's total memory, bytes.",
+}
+
+
+def device_metric(role: str, device: str, field: str) -> str:
+    """``device/<role>/<device>/<field>``, the name of one telemetry series."""
+    if field not in DEVICE_METRICS:
+        raise ValueError(f"{field!r} is not a device metric field ({', '.join(DEVICE_METRICS)})")
+    return f"{DEVICE_PREFIX}{role}/{device}/{field}"
+
+
+def split_device_metric(name: str) -> tuple[str, str, str] | None:
+    """``(role, device, field)`` of a telemetry series name, or None for any other metric."""
+    if not name.startswith(DEVICE_PREFIX):
+        return None
+    parts = name[len(DEVICE_PREFIX) :].split("/")
+    if len(parts) != 3 or not all(parts) or parts[2] not in DEVICE_METRICS:
+        return None
+    return parts[0], parts[1], parts[2]
 
 
 # --- the ingest API --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import subprocess
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -92,6 +93,16 @@ def visibility_env(kind: str, indices: list[int]) -> dict[str, str]:
     if any(i < 0 for i in indices):
         raise DeviceError(f"device indices must be >= 0, got {indices}")
     return {_VISIBILITY[kind]: ",".join(str(i) for i in indices)}
+
+
+def visible_indices(kind: str, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The entries of ``kind``'s visibility variable (indices, or GPU UUIDs), in the order the process sees
+    its devices; None when the variable is unset (every device is visible) or for cpu."""
+    _check_kind(kind)
+    environ = os.environ if environ is None else environ
+    if kind == "cpu" or _VISIBILITY[kind] not in environ:
+        return None
+    return [entry.strip() for entry in environ[_VISIBILITY[kind]].split(",") if entry.strip()]
 
 
 def set_threads(n: int | None) -> None:

@@ -2,9 +2,10 @@
 
 Every key a runtime component reports is one of :data:`METRICS` (a name and
 its one-line meaning, defined in :mod:`runtime.contract`); use the constants, not string literals. Reporters
-implement :class:`Reporter`: a terminal progress line, a JSONL file,
-TensorBoard (when installed), and the platform's HTTP reporter
-(``runtime.managed.reporter``). This module needs only the standard library.
+implement :class:`Reporter`: a terminal progress line, a JSONL file, the
+experiment trackers of ``metrics.reporters`` (:mod:`runtime.trackers`), and the
+platform's HTTP reporter (``runtime.managed.reporter``). This module needs only
+the standard library: each tracker imports its library when a run asks for it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,11 +34,8 @@ from runtime.contract import (
     STALENESS_MEAN,
     end_of_last_line,
 )
-
-
-class ReporterError(Exception):
-    """A reporter cannot be built or used as asked (missing package, bad path, bad value)."""
-
+from runtime.metric_values import ReporterError, clean_metrics, plain_json
+from runtime.trackers.factory import tracker_reporters
 
 # --------------------------------------------------------------------------- the reporter interface
 
@@ -56,42 +53,6 @@ class Reporter(Protocol):
 
     def close(self) -> None:
         """Flush and release resources; further calls are errors."""
-
-
-def clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | None]:
-    """Metric values as plain JSON numbers: ints stay ints, tensors / numpy scalars become floats,
-    NaN and infinities become None (JSON has no spelling for them)."""
-    out: dict[str, float | int | None] = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise ReporterError(f"metric name {key!r} is not a string")
-        if isinstance(value, bool):
-            out[key] = int(value)
-        elif isinstance(value, int):
-            out[key] = value
-        else:
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                raise ReporterError(f"metric {key!r}: {value!r} is not a number") from None
-            out[key] = number if math.isfinite(number) else None
-    return out
-
-
-def plain_json(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """An event payload as strict JSON data: odd objects (paths, …) become strings, NaN and
-    infinities become None."""
-
-    def finite(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: finite(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [finite(v) for v in value]
-        return value
-
-    return finite(json.loads(json.dumps(dict(payload), default=str)))
 
 
 # --------------------------------------------------------------------------- terminal progress
@@ -280,42 +241,6 @@ def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, A
     return steps, events
 
 
-# --------------------------------------------------------------------------- TensorBoard
-
-
-class TensorBoardReporter:
-    """Scalars to TensorBoard event files in ``log_dir``; needs the ``tensorboard`` package."""
-
-    def __init__(self, log_dir: str | Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ReporterError(
-                f"TensorBoard reporting needs the `tensorboard` package ({exc}); "
-                "install it with `pip install tensorboard` or set metrics.tensorboard=false"
-            ) from None
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def report(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key, value in clean_metrics(metrics).items():
-            if value is not None:
-                self._writer.add_scalar(key, value, global_step=step)
-
-    def event(self, kind: str, payload: Mapping[str, Any]) -> None:
-        self._writer.add_text(f"event/{kind}", json.dumps(dict(payload), default=str))
-
-    def close(self) -> None:
-        self._writer.close()
-
-
-def tensorboard_available() -> bool:
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # --------------------------------------------------------------------------- fan-out and construction
 
 
@@ -349,7 +274,6 @@ class MultiReporter:
 
 
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 
 
 def build_reporters(
@@ -358,27 +282,22 @@ def build_reporters(
     total_steps: int | None = None,
     jsonl_cursor: int | None = None,
     stream: IO[str] | None = None,
+    run_spec: Any = None,
+    resumed: bool = False,
 ) -> MultiReporter:
-    """Reporters named by a ``MetricsSpec``: progress line, ``<output_dir>/metrics.jsonl``
-    (resumed at ``jsonl_cursor`` when given), ``<output_dir>/tensorboard/``. TensorBoard
-    without the package is skipped with a warning, not an error: the run is still useful."""
+    """Reporters named by a ``MetricsSpec``: the experiment trackers of ``metrics.reporters``
+    (:mod:`runtime.trackers`; each logs ``run_spec``'s resolved fields as parameters and continues its own
+    run when ``resumed``), the progress line and ``<output_dir>/metrics.jsonl`` (resumed at ``jsonl_cursor``
+    when given)."""
     output_dir = Path(output_dir)
-    reporters: list[Reporter] = []
+    multi = MultiReporter()
+    # Trackers first: closed first, a tracker's late failure still reaches the run's own reporters as an event.
+    multi.reporters += tracker_reporters(metrics_spec, output_dir, run_spec, notify=multi.event, resumed=resumed)
     if metrics_spec.progress_bar:
-        reporters.append(ProgressReporter(total_steps, stream=stream))
+        multi.reporters.append(ProgressReporter(total_steps, stream=stream))
     if metrics_spec.jsonl:
-        reporters.append(JsonlReporter(output_dir / METRICS_FILE, truncate_at=jsonl_cursor))
-    if metrics_spec.tensorboard:
-        if tensorboard_available():
-            reporters.append(TensorBoardReporter(output_dir / TENSORBOARD_DIR))
-        else:
-            warnings.warn(
-                "metrics.tensorboard is on but the `tensorboard` package is not installed; "
-                "TensorBoard output is skipped (pip install tensorboard)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return MultiReporter(reporters)
+        multi.reporters.append(JsonlReporter(output_dir / METRICS_FILE, truncate_at=jsonl_cursor))
+    return multi
 
 
 # --------------------------------------------------------------------------- time split

@@ -108,10 +108,14 @@ def _starts_children(spec: Any) -> bool:
     global _with_hf
     if spec.pipeline.mode != "async" and spec.resources.trainer_devices <= 1:
         return False
-    from runtime.models.hf_files import plain_config
+    from runtime.models.implementation import choose_implementation
 
-    path = getattr(getattr(spec, "model", None), "path", None)
-    _with_hf = bool(path) and plain_config(str(path)) is None  # a checkpoint the plain decoder does not load
+    model = getattr(spec, "model", None)
+    device_type = str(getattr(getattr(spec, "resources", None), "device", "cpu")).split(":")[0]
+    try:  # children build the model in transformers: preload it
+        _with_hf = model is not None and choose_implementation(model, device_type) == "transformers"
+    except ValueError:
+        _with_hf = False  # a bad model spec fails where the run builds its model, with its field named
     return True
 
 

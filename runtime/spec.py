@@ -32,6 +32,9 @@ from pydantic import (
     model_validator,
 )
 
+from runtime.trackers.availability import INSTALL_HINT
+from runtime.trackers.availability import missing as trackers_missing
+
 
 class SpecError(ValueError):
     """A spec could not be parsed or validated. ``errors`` is a list of
@@ -159,12 +162,12 @@ class _Section(BaseModel):
 
 VLLM_CPU_KV_CACHE_GIB = 1.0  # rollout.kv_cache_gib unset on cpu: host memory is plentiful, its share is not
 VLLM_MAX_TEMPERATURE = 2.0  # vllm 0.30's SamplingParams refuses higher (runtime/rollout/vllm_adapter.py)
-BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2")
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2", "medium-qwen2")
 BUILTIN_TASKS = ("reverse", "repeat", "arithmetic", "copy")
 
 
 class ModelSpec(_Section):
-    builtin: Literal["tiny-qwen2", "tiny-llama", "small-qwen2"] | None = Field(
+    builtin: Literal["tiny-qwen2", "tiny-llama", "small-qwen2", "medium-qwen2"] | None = Field(
         "tiny-qwen2", description="Named built-in architecture, randomly initialised (ignored when `path` is set)."
     )
     path: str | None = Field(None, description="Local Hugging Face model directory to load (no hub access).")
@@ -172,6 +175,18 @@ class ModelSpec(_Section):
         "auto", description="`auto`: the model directory's tokenizer, or the char tokenizer for built-ins."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    implementation: Literal["auto", "plain", "transformers"] = Field(
+        "auto",
+        description="What computes the model: `plain` (the runtime's own Qwen2 / Llama decoder), `transformers` "
+        "(AutoModelForCausalLM), or `auto`: the built-ins plain; a model.path plain on CPU when the plain decoder "
+        "computes it exactly, else transformers, and transformers on cuda / npu. The resolved spec records "
+        "the choice.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = Field(
+        None,
+        description="transformers' attention (its default, sdpa, when unset); flash_attention_2 needs the "
+        "flash_attn package. Setting it makes `auto` choose transformers for a model.path.",
+    )
     reference: Bool = Field(True, description="Keep a frozen copy of the initial policy for the KL penalty.")
 
 
@@ -271,7 +286,15 @@ class TrainerSpec(_Section):
     weight_decay: Float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
     grad_clip: Float = Field(1.0, gt=0, description="Max global gradient norm.")
     micro_batch_tokens: Int = Field(
-        4096, ge=16, le=10_000_000, description="Token budget of one micro-batch (length-sorted packing)."
+        4096, ge=16, le=10_000_000, description="Token budget of one micro-batch (padding included)."
+    )
+    layout: Literal["auto", "packed", "padded"] = Field(
+        "auto",
+        description="How micro-batches lay samples out. `packed`: whole sequences one after another in rows, "
+        "attention block-diagonal, next to no padding. `padded`: one right-padded row per sample (the layout "
+        "before packing, kept to compare). `auto`: packed, and where a mini-batch's groups share long prompts "
+        "(20% fewer tokens) the shared-prefix layout, which runs each prompt once; `padded` chooses it the same "
+        "way. The shared-prefix layout is never used with fsdp, gradient checkpointing or a critic.",
     )
     updates_per_step: Int = Field(1, ge=1, le=64, description="Optimizer updates per training step (mini-batches).")
     collective_timeout_s: Float = Field(
@@ -491,10 +514,81 @@ class CheckpointSpec(_Section):
     keep_best_mode: Literal["max", "min"] = Field("max", description="Whether larger or smaller is better.")
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+_WANDB_PROJECT = re.compile(r"[^/\\#?%:]{1,128}")  # W&B refuses these characters in a project name
+
+
 class MetricsSpec(_Section):
     progress_bar: Bool = Field(True, description="Show a progress line on the terminal.")
     jsonl: Bool = Field(True, description="Write metrics.jsonl in the output directory.")
-    tensorboard: Bool = Field(False, description="Write TensorBoard events when tensorboard is installed.")
+    telemetry_interval_s: Float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="Seconds between samples of the role's devices (utilisation, memory, power, temperature: "
+        "device/<role>/<device>/<field> metrics, runtime/telemetry.py); 0 turns telemetry off.",
+    )
+    reporters: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        max_length=len(TRACKERS),
+        description="Experiment trackers that also get every step's metrics, the spec and the checkpoints: "
+        "tensorboard, mlflow, wandb (each needs its package: requirements-trackers.txt).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow: a tracking server's http(s) URL; unset, a local store in the output directory "
+        "(mlflow.db, mlartifacts/).",
+    )
+    mlflow_experiment: str = Field(
+        "tandem", min_length=1, max_length=500, description="MLflow: the experiment the run is logged in."
+    )
+    wandb_project: str = Field("tandem", description="W&B: the project the run is logged in.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="W&B: offline writes <output_dir>/wandb/ for a later `wandb sync`; online streams to W&B "
+        "(needs network and WANDB_API_KEY on the run's host).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_flag(cls, data: Any) -> Any:
+        """`tensorboard: true`, the spelling before metrics.reporters, is read as listing tensorboard there."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        flag = data.pop("tensorboard")
+        reporters = data.get("reporters", [])
+        if not isinstance(flag, bool):
+            raise ValueError("metrics.tensorboard must be true or false (now spelt metrics.reporters: [tensorboard])")
+        if isinstance(reporters, list) and flag and "tensorboard" not in reporters:
+            data["reporters"] = [*reporters, "tensorboard"]
+        elif isinstance(reporters, list) and not flag and "tensorboard" in reporters:
+            raise ValueError("metrics.tensorboard false contradicts metrics.reporters listing tensorboard")
+        return data
+
+    @field_validator("reporters")
+    @classmethod
+    def _installed_once(cls, reporters: list[str]) -> list[str]:
+        twice = sorted({name for name in reporters if reporters.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed twice")
+        absent = trackers_missing(reporters)
+        if absent:
+            raise ValueError(f"{', '.join(absent)} not installed where this spec is checked ({INSTALL_HINT})")
+        return reporters
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _server_url(cls, uri: str | None) -> str | None:
+        # a local store is always the output directory's: a file URI could write anywhere on the run's host
+        return None if uri is None else check_http_url(uri)
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _project_name(cls, project: str) -> str:
+        if not _WANDB_PROJECT.fullmatch(project):
+            raise ValueError("must be 1 to 128 characters, none of / \\ # ? % :")
+        return project
 
 
 class EnvSpec(_Section):
@@ -600,6 +694,7 @@ class RunSpec(_Section):
         errors: list[dict[str, str]] = self._workload_problems()
         errors += self._engine_problems()
         errors += self._trainer_problems()
+        errors += self._model_problems()
         if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
             errors.append({"field": "algorithm.group_size", "message": "GRPO needs a group size of at least 2"})
         if self.pipeline.mode == "colocated" and self.resources.rollout_devices > 0:
@@ -724,6 +819,22 @@ class RunSpec(_Section):
                 }
             )
         return errors
+
+    def _model_problems(self) -> list[dict[str, str]]:
+        """model.attn_implementation is transformers' knob: refused where the plain decoder runs."""
+        m = self.model
+        if self.workload != "llm" or m.attn_implementation is None:
+            return []
+        if m.implementation == "plain" or (m.implementation == "auto" and m.path is None):
+            runs = "model.implementation is plain" if m.implementation == "plain" else "a built-in runs plain"
+            return [
+                {
+                    "field": "model.attn_implementation",
+                    "message": f"{runs}, which has one attention (SDPA); set model.implementation: transformers "
+                    "to choose transformers' attention",
+                }
+            ]
+        return []
 
     def _trainer_problems(self) -> list[dict[str, str]]:
         """Training strategy and precision combinations that cannot act as asked."""
@@ -927,6 +1038,8 @@ _DQN_AGENT_FIELDS = (
     "epsilon_end",
     "epsilon_decay_steps",
 )
+_MLFLOW_FIELDS = ("mlflow_tracking_uri", "mlflow_experiment")
+_WANDB_FIELDS = ("wandb_project", "wandb_mode")
 _ENTRY_POINT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
@@ -994,7 +1107,13 @@ def _several_updates_with_a_proximal_policy(spec: RunSpec) -> bool:
     return spec.trainer.updates_per_step > 1 and spec.algorithm.off_policy != "truncated"
 
 
+def _reports_to(tracker: str) -> Callable[[RunSpec], bool]:
+    return lambda spec: tracker in spec.metrics.reporters  # a tracker's settings act only when it is asked for
+
+
 ACTS_ONLY_WITH: dict[str, tuple[Callable[[RunSpec], bool], str]] = {
+    **{f"metrics.{name}": (_reports_to("mlflow"), "mlflow in metrics.reporters") for name in _MLFLOW_FIELDS},
+    **{f"metrics.{name}": (_reports_to("wandb"), "wandb in metrics.reporters") for name in _WANDB_FIELDS},
     **{f"agent.{name}": (_ppo_agent, "agent.algorithm ppo") for name in _PPO_AGENT_FIELDS},
     **{f"agent.{name}": (_dqn_agent, "agent.algorithm dqn") for name in _DQN_AGENT_FIELDS},
     "algorithm.gamma": (_gae_or_plugin, "algorithm.name ppo (GAE advantages)"),

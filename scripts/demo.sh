@@ -19,6 +19,8 @@ export TANDEM_SHARED_MODEL_ROOT=${TANDEM_SHARED_MODEL_ROOT:-$TANDEM_VAR_DIR/mode
 mkdir -p "$TANDEM_VAR_DIR/logs"
 
 "$BIN/python" manage.py migrate --noinput >/dev/null
+# /metrics' multiprocess files of an earlier start must not count again (before any process starts).
+"$BIN/python" manage.py reset_metrics_dir >/dev/null
 "$BIN/python" manage.py demo_setup
 
 # Seconds each stage of the stop may take before what is left of it is killed, 14 s in all: the worker

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Throwaway PostgreSQL and Redis for tests and benchmarks.
+# Throwaway PostgreSQL and Redis for tests and benchmarks (and the Prometheus binary the metrics tests scrape with).
 #
 #   scripts/services.sh start DIR [PG_PORT] [REDIS_PORT]   # prints export lines
 #   scripts/services.sh stop DIR
@@ -25,6 +25,7 @@ ensure_packages() {
     local need=()
     pg_bindir >/dev/null || need+=(postgresql)
     command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+    command -v prometheus >/dev/null 2>&1 || need+=(prometheus)  # tests/metrics_export scrapes with it
     [ ${#need[@]} -eq 0 ] && return 0
     if [ "$(id -u)" != 0 ]; then
         log "missing ${need[*]} and not root: install them or run as root"; exit 1

@@ -4,7 +4,9 @@
 // stream; the controls post commands (the server checks role and state again).
 
 import { api, el, pageData } from "./api.js";
+import { onAlertEvent, setupAlerts } from "./alerts.js";
 import { MetricChart } from "./chart.js";
+import { devicesGrid, newDeviceCharts } from "./device_charts.js";
 import { fieldList } from "./fields.js";
 import { rememberSections } from "./sections.js";
 import { refreshEstimate } from "./start_estimate.js";
@@ -17,26 +19,42 @@ let state = live.state;
 let params = { ...live.params };
 const view = { xMode: "step", smoothing: 0, log: false, t0: live.start, showRewound: true };
 
-function setupCharts() {
-  for (const node of document.querySelectorAll("#chart-groups .chart")) {
-    const keys = node.dataset.keys.split(",");
-    const chart = new MetricChart(node, node.dataset.title, keys, view);
-    charts.push(chart);
-    for (const key of keys) {
-      if (!chartsByKey.has(key)) chartsByKey.set(key, []);
-      chartsByKey.get(key).push(chart);
-    }
+function addChart(node) {
+  const keys = node.dataset.keys.split(",");
+  const chart = new MetricChart(node, node.dataset.title, keys, view);
+  charts.push(chart);
+  for (const key of keys) {
+    if (!chartsByKey.has(key)) chartsByKey.set(key, []);
+    chartsByKey.get(key).push(chart);
   }
 }
 
+function setupCharts() {
+  for (const node of document.querySelectorAll("#chart-groups .chart")) addChart(node);
+}
+
+// A device that first reports while the page is open gets its charts in the Devices group.
+function addDeviceCharts(keys) {
+  for (const spec of newDeviceCharts(keys, (key) => chartsByKey.has(key))) {
+    const node = el("div", { class: "chart", "data-title": spec.title, "data-keys": spec.keys.join(",") });
+    devicesGrid(document).append(node);
+    addChart(node);
+  }
+}
+
+const KEYS_PER_REQUEST = 64; // jobs.series.MAX_KEYS: the Devices group can take a run past it
+
 async function loadMetrics() {
-  const keys = Array.from(chartsByKey.keys()).join(",");
+  const all = Array.from(chartsByKey.keys());
   const x = view.xMode === "step" ? "step" : "time";
-  const query = `keys=${encodeURIComponent(keys)}&x=${x}&max_points=1000&include_rewound=${view.showRewound ? 1 : 0}`;
   try {
-    const data = await api("GET", `/api/runs/${live.run}/metrics/?${query}`);
-    for (const [key, series] of Object.entries(data.series || {})) {
-      for (const chart of chartsByKey.get(key) || []) chart.setSeries(key, series);
+    for (let i = 0; i < all.length; i += KEYS_PER_REQUEST) {
+      const keys = all.slice(i, i + KEYS_PER_REQUEST).join(",");
+      const query = `keys=${encodeURIComponent(keys)}&x=${x}&max_points=1000&include_rewound=${view.showRewound ? 1 : 0}`;
+      const data = await api("GET", `/api/runs/${live.run}/metrics/?${query}`);
+      for (const [key, series] of Object.entries(data.series || {})) {
+        for (const chart of chartsByKey.get(key) || []) chart.setSeries(key, series);
+      }
     }
   } catch (err) {
     document.getElementById("stream-status").title = `metrics: ${err.message}`;
@@ -46,6 +64,7 @@ async function loadMetrics() {
 
 function onMetrics(data) {
   for (const point of data.points || []) {
+    addDeviceCharts(Object.keys(point.values || {}));
     const x = view.xMode === "step" ? point.step : point.time;
     for (const [key, value] of Object.entries(point.values || {})) {
       for (const chart of chartsByKey.get(key) || []) if (chart.append(key, x, value)) chart.scheduleRender();
@@ -193,6 +212,7 @@ function onRole(data) {
 }
 
 function onEvent(data) {
+  onAlertEvent(data);
   const body = document.querySelector("#events tbody");
   dropEmpty(body);
   body.prepend(
@@ -282,8 +302,9 @@ setupToolbar();
 updateControls();
 // Opening a folded section: its charts were laid out while it had no width.
 rememberSections(document, (section) => charts.filter((c) => section.contains(c.container)).forEach((c) => c.resize()));
+setupAlerts(live);
 // The events the page was rendered with (newest first), drawn as the stream's would be; newest on top.
-[...live.events].reverse().forEach(onEvent);
+[...live.events].reverse().forEach((e) => onEvent({ ...e, replayed: true }));
 const status = document.getElementById("stream-status");
 window.tandemStream = new Stream(`/ws/runs/${live.run}/`, {
   after: live.stream_seq,

@@ -2,7 +2,7 @@
 
 from rest_framework.routers import SimpleRouter
 
-from jobs.api import live, views
+from jobs.api import alerts, live, views
 
 router = SimpleRouter()
 router.register("experiments", views.ExperimentViewSet, basename="experiment")
@@ -15,6 +15,7 @@ router.register(r"runs/(?P<run_id>[0-9]+)/checkpoints", live.RunCheckpointsViewS
 router.register(r"runs/(?P<run_id>[0-9]+)/roles", live.RunRolesViewSet, basename="run-roles")
 router.register(r"runs/(?P<run_id>[0-9]+)/events", live.RunEventsViewSet, basename="run-events")
 router.register(r"runs/(?P<run_id>[0-9]+)/config-versions", live.RunConfigVersionsViewSet, basename="run-configs")
+router.register(r"runs/(?P<run_id>[0-9]+)/alerts", alerts.RunAlertsViewSet, basename="run-alerts")
 router.register("checkpoints", live.CheckpointViewSet, basename="checkpoint")
 
 urlpatterns = router.urls

@@ -24,6 +24,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from jobs import commands, confinement, series_store, sql, stream
+from jobs.alerts import evaluate as alerts
 from jobs.handler import IllegalTransition, InvalidInput, transition
 from jobs.models import CheckpointRecord, RoleHeartbeat, Run, RunEvent, RunToken
 from jobs.states import RunState
@@ -148,12 +149,18 @@ def _dt(ts: float) -> datetime.datetime:
 def store_points(token: RunToken, points: dict[int, tuple[float, dict[str, Any]]]) -> dict[str, int]:
     """Upsert the points (jobs.sql.upsert_metric_points, one statement on PostgreSQL); returns counts of rows
     inserted, merged (new keys) and unchanged (pure replays)."""
+    return _store_points(token, points)[0]
+
+
+def _store_points(token: RunToken, points: dict[int, tuple[float, dict[str, Any]]]) -> tuple[dict[str, int], list]:
+    """``store_points``, and the rows it wrote (jobs.sql.upsert_metric_points': a pure replay writes none)."""
     if not points:
-        return {"inserted": 0, "merged": 0, "unchanged": 0}
+        return {"inserted": 0, "merged": 0, "unchanged": 0}, []
     written = sql.upsert_metric_points(token.run_id, token.attempt, points)
     series_store.add_points(token.run_id, token.attempt, written, points)  # the chart-data store follows
     inserted = sum(row[3] for row in written)
-    return {"inserted": inserted, "merged": len(written) - inserted, "unchanged": len(points) - len(written)}
+    counts = {"inserted": inserted, "merged": len(written) - inserted, "unchanged": len(points) - len(written)}
+    return counts, written
 
 
 def _check_checkpoint_paths(token: RunToken, kind: Any, payload: dict[str, Any], where: str, errors: _Errors) -> None:
@@ -194,7 +201,9 @@ def ingest_batch(token: RunToken, body: Any, *, deliver_commands: bool = True) -
     ``deliver_commands`` is off: the platform replaying an ended role's spool has nobody to give them to)."""
     batch = parse_batch(token, body)
     with transaction.atomic():
-        counts = store_points(token, batch.points)
+        counts, written = _store_points(token, batch.points)
+        # Alert rules over the steps this batch wrote (a replay wrote none); never fails the batch.
+        alerts.on_points(token.run, [(step, batch.points[step][1]) for step in sorted(row[1] for row in written)])
         new_events: list[dict[str, Any]] = []
         new_checkpoints: list[CheckpointRecord] = []
         if batch.events:

@@ -21,6 +21,7 @@ from rest_framework.views import APIView
 from jobs.errors import JOBS_ERRORS
 from jobs.ingest import handler
 from jobs.ingest.auth import HasRunToken, RunTokenAuthentication
+from jobs.metrics import instruments
 from rlplatform.api import make_exception_handler
 from rlplatform.input_boundary import BoundedJSONParser
 
@@ -46,7 +47,15 @@ class IngestView(APIView):
 
 
 class MetricsView(IngestView):
-    """A reporter batch: ``{run, attempt, role?, points: [...], events: [...]}``."""
+    """A reporter batch: ``{run, attempt, role?, points: [...], events: [...]}``. Counted for /metrics:
+    its points by outcome when stored, or the batch as rejected with the reply's status."""
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        if response.status_code >= 400:
+            instruments.count_rejected(response.status_code)
+        elif isinstance(getattr(response, "data", None), dict):
+            instruments.count_ingested(response.data.get("points", {}))
+        return super().finalize_response(request, response, *args, **kwargs)
 
 
 class CheckpointView(IngestView):

@@ -27,7 +27,16 @@ from django.db import transaction
 from jobs import handler, launch
 from jobs.ingest.spool import replay_spool
 from jobs.lifecycle import role_states
-from jobs.lifecycle.decide import DEFAULT_RESTARTS, Decision, Exit, RoleFacts, RunFacts, decide, restarts_spent
+from jobs.lifecycle.decide import (
+    DEFAULT_RESTARTS,
+    Decision,
+    Exit,
+    RoleFacts,
+    RunFacts,
+    decide,
+    failure_cause,
+    restarts_spent,
+)
 from jobs.lifecycle.events import record_event, stream_role
 from jobs.lifecycle.files import last_error_line, last_json_line
 from jobs.lifecycle.names import is_trainer, trainer_index
@@ -147,6 +156,9 @@ def _decide_and_apply(role: RunRole, run: Run, others: list[RunRole], end: Exit,
         live_trainers=sum(other.state != R.EXITED for other in others),
     )
     decision = decide(role_facts, run_facts, end)
+    cause = failure_cause(role_facts, end, decision)
+    if cause is not None:  # what /metrics counts as role failures (jobs.metrics.platform_state)
+        record_event(run.pk, "role_failed", {"role": role.name, "attempt": role.attempt, "cause": cause})
     APPLY[decision](_Ending(role, run, others, what, error, restarts_spent(role_facts, run_facts, end)))
     return decision
 

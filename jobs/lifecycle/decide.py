@@ -137,3 +137,35 @@ def decide(role: RoleFacts, run: RunFacts, exit: Exit) -> Decision:
     if run.live_trainers:
         return Decision.STOP_TRAINERS
     return Decision.RESTART_TRAINERS
+
+
+# The decisions that follow a failed attempt (the trainer group's restart also follows a stopped one's).
+AFTER_FAILURE = frozenset(
+    {
+        Decision.FAIL_BAD_INPUT,
+        Decision.FAIL_RESTARTS_SPENT,
+        Decision.REQUEUE_HOST_LOST,
+        Decision.REQUEUE_ELSEWHERE,
+        Decision.RESTART_ROLE,
+        Decision.RESTART_TRAINERS,
+        Decision.STOP_TRAINERS,
+    }
+)
+# Why an attempt failed: the ``cause`` of a ``role_failed`` event (and of /metrics' role failures).
+CAUSE_HOST_LOST = "host_lost"  # its host stopped supervising it
+CAUSE_BAD_INPUT = "bad_input"  # exit 2: the runtime refused its input
+CAUSE_VANISHED = "vanished"  # no exit code: it could not start, hung and was killed, or its wrapper died
+CAUSE_EXIT_CODE = "exit_code"  # any other non-zero exit
+FAILURE_CAUSES = (CAUSE_HOST_LOST, CAUSE_BAD_INPUT, CAUSE_VANISHED, CAUSE_EXIT_CODE)
+
+
+def failure_cause(role: RoleFacts, exit: Exit, decision: Decision) -> str | None:
+    """Why the attempt failed, or None when its end was no failure: a success, or an end the platform asked
+    for (the run ended, the attempt was superseded, or it was stopped because another trainer role failed)."""
+    if decision not in AFTER_FAILURE or role.stop_requested:
+        return None
+    if exit.host_lost:
+        return CAUSE_HOST_LOST
+    if exit.code is None:
+        return CAUSE_VANISHED
+    return CAUSE_BAD_INPUT if exit.code == EXIT_BAD_INPUT else CAUSE_EXIT_CODE

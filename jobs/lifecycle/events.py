@@ -10,9 +10,11 @@ from django.db.models import Max
 from django.utils import timezone
 
 from jobs import stream
+from jobs.alerts import evaluate as alerts
 from jobs.models import RunEvent, RunRole
 
 PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
+ROLE_RESTARTED = "role_restarted"  # jobs.lifecycle.apply._restart
 
 
 def record_event(run_id: int, kind: str, payload: dict[str, Any]) -> None:
@@ -26,6 +28,9 @@ def record_event(run_id: int, kind: str, payload: dict[str, Any]) -> None:
         stream.append(
             run_id, "event", {"kind": kind, "payload": payload, "role": PLATFORM_ROLE, "time": now.timestamp()}
         )
+        if kind == ROLE_RESTARTED:  # the restarts alert rule, once the restart has committed
+            restarts = payload.get("restarts")
+            transaction.on_commit(lambda: alerts.on_restart(run_id, restarts), robust=True)
 
 
 def _role_entry(role: RunRole) -> dict[str, Any]:

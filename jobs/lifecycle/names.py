@@ -31,3 +31,12 @@ def rollout_names(count: int) -> list[str]:
 
 def trainer_names(count: int) -> list[str]:
     return [f"{TRAINER_PREFIX}{i}" for i in range(count)]
+
+
+def role_kind(name: str) -> str:
+    """``trainer``, ``rollout`` or ``evaluator``: the role's kind whatever its index (a metrics label)."""
+    if is_trainer(name):
+        return "trainer"
+    if is_rollout(name):
+        return "rollout"
+    return "evaluator" if name == EVALUATOR_ROLE else "other"

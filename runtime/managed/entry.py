@@ -392,7 +392,12 @@ class TrainerRole:
             if self.resume is not None:  # cut metrics.jsonl back to the checkpoint, as `run --resume` does
                 cursor = load_checkpoint(self.resume, keys=["pipeline"])["pipeline"].get("metrics_cursor")
             reporters = M.build_reporters(
-                self.spec.metrics, self.workdir, self.spec.pipeline.steps, jsonl_cursor=cursor
+                self.spec.metrics,
+                self.workdir,
+                self.spec.pipeline.steps,
+                jsonl_cursor=cursor,
+                run_spec=self.spec,
+                resumed=self.resume is not None,
             )
             self.http = HttpReporter(
                 self.env.platform_url,
@@ -445,15 +450,21 @@ def run_trainer(spec: RunSpec, env: RoleEnv, workdir: Path, resume: Path | None)
 # ---------------------------------------------------------------------------------- roles beside the trainer
 
 
-def _beside_the_trainer(env: RoleEnv, work: Callable[[Callable[[str], None]], int]) -> int:
+def _beside_the_trainer(env: RoleEnv, work: Callable[[Callable[[str], None]], int], spec: RunSpec) -> int:
     """Run ``work(changed)`` -> exit status as a role beside trainer-0 (a remote rollout instance, trainer
     ranks on a further host): it heartbeats its status — ``changed(status)`` reports a change at once —
-    and takes no commands (they are trainer-0's: such a role's heartbeat reply carries none)."""
+    and takes no commands (they are trainer-0's: such a role's heartbeat reply carries none). Its device
+    telemetry (runtime/telemetry.py) rides on the heartbeat as ``info.telemetry``, the newest sample."""
+    from runtime.telemetry import start_for  # loads torch: after the role's input is checked
+
     status = {"now": "starting"}
     poster = JsonPoster(env.platform_url, env.token)
+    telemetry = start_for(spec, env.role)
 
     def body(state: str | None) -> dict[str, Any]:
-        info = {"host": env.host, "pid": os.getpid()}
+        info: dict[str, Any] = {"host": env.host, "pid": os.getpid()}
+        if telemetry is not None:
+            info["telemetry"] = telemetry.latest()
         return {
             "run": env.run_id,
             "attempt": env.attempt,
@@ -477,6 +488,8 @@ def _beside_the_trainer(env: RoleEnv, work: Callable[[Callable[[str], None]], in
     finally:
         heartbeat.stop()
         heartbeat.beat(final)
+        if telemetry is not None:
+            telemetry.stop()
 
 
 def rollout_index(role: str) -> int:
@@ -502,7 +515,7 @@ def run_rollout(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
         except RolloutRefused as exc:
             raise RoleInputError(str(exc)) from None
 
-    return _beside_the_trainer(env, work)
+    return _beside_the_trainer(env, work, spec)
 
 
 def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
@@ -523,7 +536,7 @@ def run_evaluator(spec: RunSpec, env: RoleEnv, workdir: Path) -> int:
         except RolloutRefused as exc:
             raise RoleInputError(str(exc)) from None
 
-    return _beside_the_trainer(env, work)
+    return _beside_the_trainer(env, work, spec)
 
 
 def trainer_ranks(spec: RunSpec, environ: Mapping[str, str]) -> range:
@@ -559,4 +572,4 @@ def run_trainer_ranks(spec: RunSpec, env: RoleEnv, ranks: range) -> int:
         except TrainerGroupError as exc:
             raise RoleInputError(str(exc)) from None
 
-    return _beside_the_trainer(env, work)
+    return _beside_the_trainer(env, work, spec)

@@ -2,7 +2,8 @@
 
 Sizes (parameters with the 100-token char vocabulary): tiny-qwen2 and
 tiny-llama ~0.4 M (2 layers, hidden 128), small-qwen2 ~3 M (4 layers, hidden
-256). The vocabulary and special ids come from the tokenizer.
+256), medium-qwen2 ~12.6 M (8 layers, hidden 384, head_dim 64: a step is matrix multiplies, not
+dispatch). The vocabulary and special ids come from the tokenizer.
 
 :class:`DecoderConfig` is what the plain decoder (``runtime.models.decoder``) reads, with the attribute
 names of transformers' ``Qwen2Config`` / ``LlamaConfig`` (FastRunner, the engine and the critic read
@@ -29,6 +30,11 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "small-qwen2": dict(
         model_type="qwen2", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, intermediate_size=768,
+    ),
+    # Where compute dominates a step on CPU: head_dim 64 as in Qwen2.5, 12.6 M parameters.
+    "medium-qwen2": dict(
+        model_type="qwen2", hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
+        num_key_value_heads=2, intermediate_size=1024,
     ),
 }  # fmt: skip
 

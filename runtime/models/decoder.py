@@ -11,7 +11,10 @@ weights for the same seed. ``runtime.models.hf_files`` writes it as an HF direct
 
 Calling convention (what the trainer, the critic and the engines pass): ``input_ids [B, T]``, a 2-D
 ``attention_mask`` (1 at real tokens, covering the cache's columns and these), ``position_ids``,
-``cache`` (a :class:`KVCache`, continued in place), ``use_cache``, ``logits_to_keep``.
+``cache`` (a :class:`KVCache`, continued in place), ``use_cache``, ``logits_to_keep``. Without an
+``attention_mask`` and with ``position_ids`` restarting at 0 inside a row, the row is several sequences
+packed one after another (the trainer's packed layout): each attends only to itself, as transformers' SDPA
+path reads the same inputs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.models.configs import DecoderConfig
-from runtime.models.kv_cache import KVCache, causal_mask
+from runtime.models.kv_cache import KVCache, causal_mask, packed_causal_mask
 
 
 @dataclass
@@ -247,9 +250,12 @@ class DecoderModel(_Checkpointable, nn.Module):
         if use_cache and cache is None:
             cache = KVCache()
         past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None and position_ids is not None and past == 0 and x.shape[1] > 1:
+            mask = packed_causal_mask(position_ids.expand(x.shape[0], -1))  # sequences packed into rows
+        else:
+            mask = causal_mask(attention_mask, x.shape[0], x.shape[1], past, x.device)
         if position_ids is None:
             position_ids = (torch.arange(x.shape[1], device=x.device) + past)[None]
-        mask = causal_mask(attention_mask, x.shape[0], x.shape[1], past, x.device)
         cos, sin = self.rotary_emb(x, position_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)

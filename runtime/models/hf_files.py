@@ -8,9 +8,10 @@ transformers leaves it, which re-ties it on load). transformers, vLLM and ``buil
 Reading (:func:`plain_config`; ``runtime.models.loading.load_directory`` loads the weights): a
 ``model.path`` directory whose config.json is one the plain decoder computes exactly as transformers does — a Qwen2 or Llama decoder with the default
 RoPE, SiLU, no sliding window, biases where the architecture has them, every key known — and whose
-weights are one ``model.safetensors`` file. The built-ins' exports and SFT checkpoints (the demo's
-model) are such directories; anything else (another architecture, RoPE scaling, sharded weights, a key
-this module does not know) is loaded by transformers, so nothing is ever computed differently.
+weights are safetensors (one ``model.safetensors`` or its shards). The built-ins' exports, SFT checkpoints
+(the demo's model), and Qwen2.5 and TinyLlama as published are such directories; anything else (another
+architecture, RoPE scaling, a key this module does not know) needs transformers, so nothing is ever
+computed differently. ``runtime.models.implementation`` decides which of the two a run uses.
 """
 
 from __future__ import annotations
@@ -86,40 +87,71 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+def weight_files(directory: str | Path) -> list[Path]:
+    """The safetensors files holding the directory's weights: ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` names; [] when it has neither."""
+    directory = Path(directory)
+    index = directory / (WEIGHTS_FILE + ".index.json")
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+        files = [directory / name for name in shards]
+        return files if all(f.is_file() and f.parent == directory for f in files) else []
+    return [directory / WEIGHTS_FILE] if (directory / WEIGHTS_FILE).is_file() else []
+
+
 def plain_config(directory: str | Path) -> DecoderConfig | None:
     """The directory's config as a :class:`DecoderConfig` when the plain decoder computes this model exactly
     as transformers would and can read its weights; None otherwise (transformers loads it then)."""
+    found = plain_config_or_reason(directory)
+    return found if isinstance(found, DecoderConfig) else None
+
+
+def plain_config_or_reason(directory: str | Path) -> DecoderConfig | str:
+    """:func:`plain_config`, or why the plain decoder does not compute this directory's model.
+
+    Only what the model computes decides, never how the directory was saved: a single weights file or
+    shards, and a ``sliding_window`` size beside ``use_sliding_window: false`` (as Qwen2.5 is published;
+    transformers re-saves it as null) give the same answer.
+    """
     directory = Path(directory)
-    if not (directory / WEIGHTS_FILE).is_file() or (directory / (WEIGHTS_FILE + ".index.json")).exists():
-        return None
+    if not weight_files(directory):
+        return f"no {WEIGHTS_FILE} (or a complete safetensors index): the plain decoder reads safetensors only"
     try:
         data = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # transformers gives its own error for an unreadable config
+    except (OSError, ValueError) as exc:
+        return f"{CONFIG_FILE} is unreadable ({exc})"
     if not isinstance(data, dict) or data.get("model_type") not in ARCHITECTURES:
-        return None
+        kind = data.get("model_type") if isinstance(data, dict) else None
+        return f"model_type {kind!r} is not one of {', '.join(ARCHITECTURES)}"
     model_type = data["model_type"]
     if data.get("architectures", [ARCHITECTURES[model_type]]) != [ARCHITECTURES[model_type]]:
-        return None
+        return f"architectures {data.get('architectures')} is not [{ARCHITECTURES[model_type]}]"
+    windowed = bool(data.get("use_sliding_window", False))
     for key, value in data.items():
         if key in _FIELDS or key in _DESCRIPTIVE:
             continue
+        if key == "sliding_window" and not windowed:
+            continue  # read only with use_sliding_window: any size, or null, computes the same
         if key not in _NEUTRAL or (_NEUTRAL[key] and value not in _NEUTRAL[key]):
-            return None
+            return f"{key}={value!r} in {CONFIG_FILE} is not computed by the plain decoder"
     if any(t != "full_attention" for t in data.get("layer_types") or ()):
-        return None
+        return "some layers are not full attention"
     rope = data.get("rope_parameters") or {}
     if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or set(rope) - _DEFAULT_ROPE:
-        return None
+        return f"rope_parameters {rope!r} are not the default RoPE"
     if not _REQUIRED <= set(data) or ("rope_theta" not in data and "rope_theta" not in rope):
-        return None  # a default left out: transformers' defaults per architecture are not the plain config's
+        # a default left out: transformers' defaults per architecture are not the plain config's
+        return f"{CONFIG_FILE} leaves out {sorted(_REQUIRED - set(data)) or ['rope_theta']}"
     fields = {k: v for k, v in data.items() if k in _FIELDS}
     if "rope_theta" in rope:  # transformers 5 keeps it there; 4 at the top level (one of _FIELDS)
         fields["rope_theta"] = rope["rope_theta"]
     try:
         config = DecoderConfig(**fields)
-    except (TypeError, ValueError):
-        return None
+    except (TypeError, ValueError) as exc:
+        return str(exc)
     if data.get("head_dim") not in (None, config.head_dim) or config.attention_dropout != 0:
-        return None
+        return "a head_dim other than hidden_size / num_attention_heads, or attention dropout"
     return config

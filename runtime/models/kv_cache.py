@@ -8,6 +8,10 @@ trainer's shared-prefix layout expands a prompt's cache that way, keeping its au
 :func:`causal_mask` is the boolean mask transformers' SDPA path builds from a 2-D padding mask, and
 ``None`` exactly where it leaves the mask out (SDPA's ``is_causal``, or a single query, gives the same):
 the two forwards then run the same kernels on the same inputs.
+
+:func:`packed_causal_mask` is the mask of a packed row (several sequences one after another, each with
+positions counting from 0, no padding mask): block-diagonal causal, the rule transformers' masking utilities
+apply to the same inputs (a new sequence starts wherever a position is not its predecessor's plus one).
 """
 
 from __future__ import annotations
@@ -69,3 +73,22 @@ def causal_mask(
     if pad is not None:
         mask = mask & pad[:, None, None, :]
     return mask.expand(batch, -1, q_len, kv_len)
+
+
+def sequence_ids(position_ids: Tensor) -> Tensor:
+    """``[B, T]`` index of the packed sequence each column belongs to: a new one wherever the position is not
+    the previous column's plus one (the first column starts sequence 0)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first) != 1).cumsum(-1)
+
+
+def packed_causal_mask(position_ids: Tensor) -> Tensor | None:
+    """``[B, 1, T, T]``, True where column ``i`` may attend column ``j``: ``j <= i`` within one packed
+    sequence. None when every row holds one sequence (plain causal attention)."""
+    seq = sequence_ids(position_ids)
+    if not bool(seq[:, -1].any()):
+        return None
+    t = position_ids.shape[1]
+    cols = torch.arange(t, device=position_ids.device)
+    causal = cols[None, :] <= cols[:, None]
+    return (causal[None] & (seq[:, :, None] == seq[:, None, :]))[:, None]

@@ -10,14 +10,12 @@ import torch
 
 from runtime.models.configs import DecoderConfig, builtin_config
 from runtime.models.decoder import DecoderForCausalLM
-from runtime.models.hf_files import WEIGHTS_FILE, plain_config
+from runtime.models.errors import ModelError
+from runtime.models.hf_files import WEIGHTS_FILE, plain_config, weight_files
+from runtime.models.implementation import choose_implementation
 from runtime.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelError(ValueError):
-    """The model spec points at something that cannot be loaded (message names the field)."""
 
 
 def check_model_path(path: str | Path) -> Path:
@@ -43,16 +41,33 @@ def build_builtin(name: str, dtype: torch.dtype, tokenizer: CharTokenizer) -> De
     return plain_decoder(config, dtype)
 
 
-def load_checkpoint(path: Path, dtype: torch.dtype) -> Any:
-    """An HF model directory: the plain decoder where it computes the model exactly as transformers does
-    (``hf_files.plain_config``: a Qwen2 / Llama checkpoint such as a built-in's export), transformers'
-    ``from_pretrained(local_files_only=True)`` for anything else."""
-    config = plain_config(path)
-    if config is not None:
-        return load_directory(path, config, dtype)
+def load_checkpoint(
+    path: Path, dtype: torch.dtype, implementation: str = "auto", attn_implementation: str | None = None
+) -> Any:
+    """An HF model directory in ``implementation``: the plain decoder (``auto``: where it computes the model
+    exactly as transformers does, ``hf_files.plain_config``), or transformers' ``from_pretrained
+    (local_files_only=True)`` with ``attn_implementation`` (its default when None)."""
+    if implementation != "transformers":
+        config = plain_config(path)
+        if config is not None:
+            return load_directory(path, config, dtype)
+        if implementation == "plain":
+            raise ValueError(f"{path} is not a model the plain decoder computes (model.implementation: plain)")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype, **kwargs)
+
+
+def transformers_builtin(config: DecoderConfig, dtype: torch.dtype, attn_implementation: str | None) -> Any:
+    """A built-in architecture as transformers' Qwen2 / Llama class (weights drawn from the global RNG, the
+    same draws the plain decoder makes for a seed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "dtype", "model_type")}
+    hf_config = AutoConfig.for_model(config.model_type, **fields)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
 
 
 def load_directory(directory: str | Path, config: DecoderConfig, dtype: torch.dtype) -> DecoderForCausalLM:
@@ -60,7 +75,9 @@ def load_directory(directory: str | Path, config: DecoderConfig, dtype: torch.dt
     Raises ValueError when the weights are not the ones ``config`` describes."""
     from safetensors.torch import load_file
 
-    state = load_file(str(Path(directory) / WEIGHTS_FILE))
+    state: dict[str, torch.Tensor] = {}
+    for part in weight_files(directory):  # one file, or the shards of an index
+        state.update(load_file(str(part)))
     with torch.device("meta"):
         model = plain_decoder(config, dtype)
     if config.tie_word_embeddings:
@@ -83,28 +100,38 @@ def load_directory(directory: str | Path, config: DecoderConfig, dtype: torch.dt
 def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> tuple[Any, CharTokenizer | HFTokenizer]:
     """The policy model and tokenizer described by ``model_spec`` (a runtime.spec.ModelSpec), on ``device``.
 
-    With ``path`` set the directory is loaded by :func:`load_checkpoint` (any architecture); otherwise the
-    named built-in architecture is the plain decoder (``runtime.models.decoder``: no transformers import),
-    initialised from ``seed`` without disturbing the global RNG, with the weights transformers would draw
-    for that seed.
+    ``model.implementation`` picks the plain decoder or transformers (``runtime.models.implementation``).
+    With ``path`` set the directory is loaded by :func:`load_checkpoint`; otherwise the named built-in
+    architecture (the plain decoder, ``runtime.models.decoder``: no transformers import, unless transformers
+    is asked for) is initialised from ``seed`` without disturbing the global RNG, with the weights
+    transformers would draw for that seed.
     """
     dtype = DTYPES[model_spec.dtype]
     model: Any  # a transformers PreTrainedModel or a DecoderForCausalLM
+    attention = model_spec.attn_implementation
     if model_spec.path:
         path = check_model_path(model_spec.path)
+    implementation = choose_implementation(model_spec, torch.device(device).type)
+    if model_spec.path:
         try:
             tokenizer = CharTokenizer() if model_spec.tokenizer == "char" else load_tokenizer(path)
         except ValueError as exc:
             raise ModelError(str(exc)) from None
         try:
-            model = load_checkpoint(path, dtype)
+            model = load_checkpoint(path, dtype, implementation, attention)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path: cannot load {path}: {exc}") from None
     else:
         tokenizer = CharTokenizer()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = build_builtin(model_spec.builtin, dtype, tokenizer)
+            if implementation == "transformers":
+                config = builtin_config(
+                    model_spec.builtin, tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id
+                )
+                model = transformers_builtin(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype, attention)
+            else:
+                model = build_builtin(model_spec.builtin, dtype, tokenizer)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ModelError(
             f"model.tokenizer: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"

@@ -35,11 +35,10 @@ class ValueModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> values [B, T] (float32)."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if position_ids is None:
-            position_ids = positions_from_mask(attention_mask)
+        """input_ids [B, T] -> values [B, T] (float32). No ``attention_mask``: rows may be packed sequences
+        (``position_ids`` restarting at 0, as the policy reads them)."""
+        if position_ids is None:  # without a mask either: one sequence per row
+            position_ids = positions_from_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state

@@ -70,9 +70,11 @@ from runtime.contract import (
     live_param_problems,
 )
 from runtime.control import Control, Directive
+from runtime.models.implementation import pinned
 from runtime.sample_queue import PackError
 from runtime.samples import Sample
 from runtime.spec import RunSpec
+from runtime.telemetry import with_telemetry
 from runtime.weights.service import WeightService
 from runtime.workloads.base import Workload, workload_for
 
@@ -176,6 +178,8 @@ class RunContext:
         self.workload: Workload = workload_for(self.spec)
         self._init_control(stop, control)
         self.device = _trainer_device(self.spec)
+        if self.spec.workload == "llm":  # one implementation for every role, recorded in the resolved spec
+            self.spec.model = pinned(self.spec.model, self.device.type)
         resume_path, self.resume_state = _read_resume(resume)
         self._set_threads_and_seed()
         self.out_dir = _prepare_output_dir(self.spec)
@@ -185,6 +189,7 @@ class RunContext:
         self.ckpt = self._checkpoint_manager(rotate_checkpoints)
         self._restore_progress(self.resume_state, resume_path)
         self.reporters = reporters if reporters is not None else self._build_reporters(self.resume_state)
+        self.reporters = with_telemetry(self.reporters, self.spec)  # device/<role>/... metrics (runtime/telemetry.py)
         self._init_trace_and_marks(resume_path)
         if self.resume_state is not None:
             self.reporters.event(EVENT_RESUME, {"step": self.start_step})
@@ -255,7 +260,14 @@ class RunContext:
     def _build_reporters(self, resume_state: dict | None) -> Any:
         """The spec's reporters; a resumed run's metrics file continues from the checkpoint's cursor."""
         jsonl_cursor = resume_state["pipeline"].get("metrics_cursor") if resume_state is not None else None
-        return M.build_reporters(self.spec.metrics, self.out_dir, self.spec.pipeline.steps, jsonl_cursor=jsonl_cursor)
+        return M.build_reporters(
+            self.spec.metrics,
+            self.out_dir,
+            self.spec.pipeline.steps,
+            jsonl_cursor=jsonl_cursor,
+            run_spec=self.spec,
+            resumed=resume_state is not None,
+        )
 
     def _init_trace_and_marks(self, resume_path: Path | None) -> None:
         """What this timeline consumed, evaluated and checkpointed so far."""

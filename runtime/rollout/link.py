@@ -135,7 +135,8 @@ def advertised_address(bind_host: str, environ: Any = os.environ) -> str:
 
 def spec_digest(spec: Any) -> str:
     """What must agree between the trainer and an instance for its samples to be right: for an LLM run the
-    model, the task, the generation and reward settings, the group size and the seed; for a gym run the
+    model (not which implementation computes it), the task, the generation and reward settings, the group
+    size and the seed; for a gym run the
     env, the agent (its networks) and the seed."""
     d = spec.resolved()
     if d.get("workload") == "gym":
@@ -143,6 +144,9 @@ def spec_digest(spec: Any) -> str:
     else:
         same = {k: d[k] for k in ("model", "task", "rollout", "reward", "seed")}
         same["group_size"] = d["algorithm"]["group_size"]
+        # Which implementation computes the model is each process's own (the trainer pins `auto` for its
+        # device, an instance on another device may resolve it otherwise): same weights, same names.
+        same["model"] = {k: v for k, v in d["model"].items() if k not in ("implementation", "attn_implementation")}
     return hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()[:16]
 
 

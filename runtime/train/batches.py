@@ -1,8 +1,14 @@
 """How the trainer lays a step's samples out for its forward passes.
 
-Two layouts, one interface (:class:`ResponseLayout`: where each response token sits in a ``[B, W]``
-grid, rows in the caller's order, then token order), so the loss code does not know which ran:
+Three layouts, one interface (:class:`ResponseLayout`: where each response token sits in a ``[B, W]``
+grid, one row per sample, then token order), so the loss code does not know which ran:
 
+- :class:`PackedBatch` — whole sequences (prompt + response) packed one after another into rows,
+  positions restarting at 0 for each, no padding mask: the model attends block-diagonally (each sequence
+  to itself; the plain decoder and transformers' attention read the same inputs so). Nearly no padding:
+  the linear layers compute real tokens only. Micro-batches come from :func:`plan_packed` (a token
+  budget, rows one to two times as wide as the micro-batch's longest sequence, filled first-fit longest
+  first).
 - :class:`PaddedBatch` — each sample's prompt and response as one right-padded row; one forward.
   Micro-batches come from :func:`make_micro_batches` (length-sorted, a token budget).
 - :class:`SharedPrefixBatch` — the samples of one prompt (a GRPO group) share it: the prompt runs
@@ -12,12 +18,15 @@ grid, rows in the caller's order, then token order), so the loss code does not k
   float rounding, while a group of ``g`` samples computes its prompt once instead of ``g`` times.
   Micro-batches come from :func:`plan_shared_prefix` (whole groups where they fit the budget).
 
-:func:`plan_micro_batches` picks the layout for a mini-batch from the tokens each would process.
+:func:`plan_micro_batches` lays a mini-batch out packed or padded (``trainer.layout``), and in the
+shared-prefix layout instead where that is allowed and processes at least ``SHARED_PREFIX_MIN_SAVING``
+fewer tokens.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +111,15 @@ class ResponseLayout:
         """The logits predicting each response token ``[n, V]`` and the tokens ``[n]``, in grid order."""
         raise NotImplementedError
 
+    def forward_inputs(self) -> dict[str, Tensor | None]:
+        """The one forward's ``input_ids``, ``attention_mask``, ``position_ids`` (layouts of one forward)."""
+        raise NotImplementedError(f"{type(self).__name__} has no single forward")
+
+    def predicting(self, per_position: Tensor) -> Tensor:
+        """``[R, T, ...]`` outputs of :meth:`forward_inputs`' forward -> ``[n, ...]``: those at the positions
+        predicting each response token, in grid order (a critic's values)."""
+        raise NotImplementedError(f"{type(self).__name__} has no single forward")
+
 
 @dataclass
 class PaddedBatch(ResponseLayout):
@@ -113,13 +131,14 @@ class PaddedBatch(ResponseLayout):
 
     def logits_and_targets(self, forward: Forward, prefix_forward: Forward | None = None) -> tuple[Tensor, Tensor]:
         """The logits predicting each response token ``[n, V]`` and the tokens ``[n]`` (one forward)."""
-        logits = forward(
-            input_ids=self.input_ids,
-            attention_mask=self.attention_mask,
-            position_ids=self.position_ids,
-            use_cache=False,
-        ).logits
-        return logits[self.rows, self.cols], self.input_ids[self.rows, self.cols + 1]
+        logits = forward(**self.forward_inputs(), use_cache=False).logits
+        return self.predicting(logits), self.input_ids[self.rows, self.cols + 1]
+
+    def forward_inputs(self) -> dict[str, Tensor | None]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
+    def predicting(self, per_position: Tensor) -> Tensor:
+        return per_position[:, :-1][self.rows, self.cols]
 
 
 def _layout(
@@ -161,6 +180,135 @@ def collate_padded(samples: list[Sample], indices: list[int], pad_id: int, devic
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         position_ids=positions_from_mask(attention_mask).to(device),
+    )
+
+
+# --------------------------------------------------------------------------- packed layout
+
+
+# Row widths a packed micro-batch tries, as multiples of its longest sequence: a wider row lets two
+# sequences just over half the longest share it, at the cost of attention over a longer (masked) row.
+PACKED_ROW_WIDTHS = (1.0, 1.5, 2.0)
+# A wider row is taken only if it wastes at least this much less of the micro-batch's tokens.
+PACKED_WIDER_MIN_SAVING = 0.01
+
+
+def plan_packed(lengths: list[int], token_budget: int) -> list[list[list[int]]]:
+    """Micro-batches of rows of sequence indices (into ``lengths``), each within ``token_budget`` tokens (a
+    sequence longer than the budget gets a row and a micro-batch of its own).
+
+    Micro-batch by micro-batch: its rows are ``w`` tokens wide, a :data:`PACKED_ROW_WIDTHS` multiple of the
+    longest sequence left (the one that wastes least; capped at the budget), and it has ``budget // w``
+    of them. The sequences left are placed longest first, each into the first row with room, every one
+    tried before the micro-batch closes, so the short ones fill what the long ones leave. Deterministic.
+    """
+    if token_budget < 1:
+        raise ValueError("trainer.micro_batch_tokens must be >= 1")
+    remaining = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[list[int]]] = []
+    while remaining:
+        longest = max(lengths[remaining[0]], 1)
+        best: tuple[float, list[list[int]], list[int]] | None = None
+        for factor in PACKED_ROW_WIDTHS:
+            width = min(max(token_budget, longest), math.ceil(factor * longest))
+            rows, left = _first_fit(lengths, remaining, width, max(1, token_budget // width))
+            fills = [sum(lengths[i] for i in row) for row in rows]
+            waste = (len(rows) * max(fills) - sum(fills)) / max(sum(fills), 1)
+            if best is None or waste < best[0] - PACKED_WIDER_MIN_SAVING:
+                best = (waste, rows, left)
+        assert best is not None
+        batches.append(best[1])
+        remaining = best[2]
+    return batches
+
+
+def _first_fit(lengths: list[int], order: list[int], width: int, max_rows: int) -> tuple[list[list[int]], list[int]]:
+    """``order`` placed into at most ``max_rows`` rows of ``width`` tokens, each into the first row with
+    room; returns the rows and what did not fit (in order)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    open_rows: list[int] = []  # rows with room for the shortest sequence, in order
+    shortest = min((lengths[i] for i in order), default=0)
+    too_long = None  # ``order`` is longest first: once a length fits nowhere, no longer one will
+    left: list[int] = []
+    for i in order:
+        n = lengths[i]
+        row = None if too_long is not None and n >= too_long else next((r for r in open_rows if n <= room[r]), None)
+        if row is not None:
+            rows[row].append(i)
+            room[row] -= n
+            if room[row] < shortest:
+                open_rows.remove(row)
+        elif len(rows) < max_rows:
+            rows.append([i])
+            room.append(width - n)
+            if room[-1] >= shortest:
+                open_rows.append(len(rows) - 1)
+        else:
+            too_long = n
+            left.append(i)
+    return rows, left
+
+
+def packed_tokens(lengths: list[int], batches: list[list[list[int]]]) -> int:
+    """Tokens the forwards of packed ``batches`` process: rows x the longest row's fill, per micro-batch."""
+    return sum(len(rows) * max(sum(lengths[i] for i in row) for row in rows) for rows in batches if rows)
+
+
+@dataclass
+class PackedBatch(ResponseLayout):
+    """Sequences packed into ``[R, C]`` rows; the grid is ``[B, N]`` (column ``j`` = response token ``j``),
+    one grid row per sample in packing order (``indices``)."""
+
+    input_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [R, C]
+    position_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [R, C], from 0 for each sequence
+    pick: Tensor = field(default_factory=lambda: torch.empty(0))  # [n] flat [R * C] position predicting each
+    targets: Tensor = field(default_factory=lambda: torch.empty(0))  # [n]
+
+    def logits_and_targets(self, forward: Forward, prefix_forward: Forward | None = None) -> tuple[Tensor, Tensor]:
+        """The logits predicting each response token ``[n, V]`` and the tokens ``[n]`` (one forward)."""
+        logits = forward(**self.forward_inputs(), use_cache=False).logits
+        return self.predicting(logits), self.targets
+
+    def forward_inputs(self) -> dict[str, Tensor | None]:
+        # No attention mask: the restarting positions are what makes the attention block-diagonal.
+        return {"input_ids": self.input_ids, "attention_mask": None, "position_ids": self.position_ids}
+
+    def predicting(self, per_position: Tensor) -> Tensor:
+        return per_position.reshape(-1, *per_position.shape[2:])[self.pick]
+
+
+def collate_packed(samples: list[Sample], rows: list[list[int]], pad_id: int, device: torch.device) -> PackedBatch:
+    """The micro-batch whose packed rows hold the samples ``rows`` (lists of indices into ``samples``)."""
+    width = max(sum(samples[i].num_tokens for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    pick: list[int] = []
+    targets: list[int] = []
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            seq = samples[i].prompt_ids + samples[i].response_ids
+            p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
+            input_ids[r, offset : offset + len(seq)] = torch.tensor(seq, dtype=torch.long)
+            position_ids[r, offset : offset + len(seq)] = torch.arange(len(seq))
+            # Response token j (sequence position p + j) is predicted at column offset + p + j - 1.
+            start = r * width + offset + p - 1
+            pick.extend(range(start, start + n))
+            targets.extend(samples[i].response_ids)
+            offset += len(seq)
+        # The row's padding tail counts from 0 too: a sequence of its own, which no real token attends.
+        position_ids[r, offset:] = torch.arange(width - offset)
+    indices = [i for row in rows for i in row]
+    lengths = [len(samples[i].response_ids) for i in indices]
+    grid_rows = [k for k, n in enumerate(lengths) for _ in range(n)]
+    grid_cols = [j for n in lengths for j in range(n)]
+    return PackedBatch(
+        **_layout(indices, grid_rows, grid_cols, lengths, max(max(lengths, default=0), 1), device),
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        pick=torch.tensor(pick, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
     )
 
 
@@ -384,41 +532,55 @@ def collate_shared_prefix(
 # --------------------------------------------------------------------------- choosing the layout
 
 
+LAYOUTS = ("packed", "padded", "shared_prefix")
+
+
 @dataclass
 class MicroBatchPlan:
-    """A mini-batch's micro-batches in one layout, and the tokens they process (padding included) and
-    of those, the real ones."""
+    """A mini-batch's micro-batches in one layout (:data:`LAYOUTS`), and the tokens they process (padding
+    included) and of those, the real ones."""
 
-    shared_prefix: bool
-    batches: list[Any]  # padded: lists of sample indices; shared: lists of prompt units
+    layout: str
+    batches: list[Any]  # padded: lists of sample indices; packed: lists of rows; shared: lists of prompt units
     processed_tokens: int
     real_tokens: int
 
     def __len__(self) -> int:
         return len(self.batches)
 
+    @property
+    def shared_prefix(self) -> bool:
+        return self.layout == "shared_prefix"
+
     def collate(self, k: int, samples: list[Sample], pad_id: int, device: torch.device) -> ResponseLayout:
-        if self.shared_prefix:
+        if self.layout == "shared_prefix":
             return collate_shared_prefix(samples, self.batches[k], pad_id, device)
+        if self.layout == "packed":
+            return collate_packed(samples, self.batches[k], pad_id, device)
         return collate_padded(samples, self.batches[k], pad_id, device)
 
 
 def plan_micro_batches(
-    samples: list[Sample], indices: list[int], token_budget: int, allow_shared_prefix: bool
+    samples: list[Sample], indices: list[int], token_budget: int, allow_shared_prefix: bool, packed: bool = True
 ) -> MicroBatchPlan:
-    """The layout processing fewer tokens for ``indices``: shared-prefix when allowed and it saves at
-    least ``SHARED_PREFIX_MIN_SAVING`` of the padded layout's tokens, else padded."""
+    """``indices`` packed (``packed``) or right-padded, or in the shared-prefix layout when that is allowed and
+    processes at least ``SHARED_PREFIX_MIN_SAVING`` fewer tokens."""
     lengths = [samples[i].num_tokens for i in indices]
-    local = make_micro_batches(lengths, token_budget)
-    padded = MicroBatchPlan(
-        False, [[indices[j] for j in b] for b in local], padded_tokens(lengths, local), sum(lengths)
-    )
+    base: MicroBatchPlan
+    if packed:
+        rows = plan_packed(lengths, token_budget)
+        batches: list[Any] = [[[indices[j] for j in row] for row in b] for b in rows]
+        base = MicroBatchPlan("packed", batches, packed_tokens(lengths, rows), sum(lengths))
+    else:
+        local = make_micro_batches(lengths, token_budget)
+        batches = [[indices[j] for j in b] for b in local]
+        base = MicroBatchPlan("padded", batches, padded_tokens(lengths, local), sum(lengths))
     if not allow_shared_prefix or len({tuple(samples[i].prompt_ids) for i in indices}) == len(indices):
-        return padded  # not allowed, or no prompt repeats: nothing to share
+        return base  # not allowed, or no prompt repeats: nothing to share
     shared = plan_shared_prefix(samples, indices, token_budget)
     cont_of = {i: _continuation(samples, i) for i in indices}
     processed = sum(shared_prefix_cost(samples, b, cont_of) for b in shared)
-    if processed > (1.0 - SHARED_PREFIX_MIN_SAVING) * padded.processed_tokens:
-        return padded
+    if processed > (1.0 - SHARED_PREFIX_MIN_SAVING) * base.processed_tokens:
+        return base
     real = sum(len(samples[u[0]].prompt_ids) + sum(cont_of[i] for i in u) for b in shared for u in b)
-    return MicroBatchPlan(True, shared, processed, real)
+    return MicroBatchPlan("shared_prefix", shared, processed, real)

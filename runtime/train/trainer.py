@@ -60,6 +60,7 @@ from runtime.contract import (
     LOSS_POLICY,
     LOSS_VALUE,
     LR,
+    PACKED_SHARE,
     PADDING_RATIO,
     RESPONSE_LEN_MAX,
     RESPONSE_LEN_MEAN,
@@ -70,6 +71,7 @@ from runtime.contract import (
     STALENESS_MEAN,
     TRAIN_TOKENS_PER_S,
 )
+from runtime.models.decoder import DecoderForCausalLM
 from runtime.models.logprobs import chunked_logprobs, logprobs_and_entropy, positions_from_mask
 from runtime.samples import Sample
 from runtime.train.algos.core import (
@@ -82,12 +84,7 @@ from runtime.train.algos.core import (
 from runtime.train.algos.core import value_loss as value_loss_fn
 from runtime.train.algos.interface import PolicyBatch, UpdateContext, adamw_update
 from runtime.train.algos.registry import get_algorithm
-from runtime.train.batches import (
-    MicroBatchPlan,
-    PaddedBatch,
-    ResponseLayout,
-    plan_micro_batches,
-)
+from runtime.train.batches import MicroBatchPlan, ResponseLayout, plan_micro_batches
 from runtime.train.optimizer import AdamW
 from runtime.train.parallel import LossScale, ParallelModel, load_shards, save_shards
 
@@ -104,6 +101,23 @@ def _check_samples(samples: list[Sample]) -> None:
             raise TrainerError(
                 f"sample {s.sample_id}: {len(s.logprobs)} logprobs for {len(s.response_ids)} response tokens"
             )
+
+
+# transformers' attention implementations that read packed rows (no mask, restarting position_ids) as
+# separate sequences: the mask-building ones through its masking utilities, flash-attention as varlen.
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def _check_packs_sequences(model: Any) -> None:
+    """Refuse the packed layout for a model whose attention would let packed sequences see each other."""
+    if isinstance(model, DecoderForCausalLM):
+        return  # the plain decoder masks packed rows itself
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not getattr(model, "_supports_attention_backend", False) or attention not in PACKING_ATTENTION:
+        raise TrainerError(
+            f"trainer.layout: {type(model).__name__} (attention {attention!r}) cannot mask sequences packed into "
+            "one row; set trainer.layout: padded"
+        )
 
 
 def _warmup(warmup_steps: int):
@@ -156,6 +170,8 @@ class Trainer:
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         tcfg = spec.trainer
+        if tcfg.layout != "padded":
+            _check_packs_sequences(policy)
         self.sharded = tcfg.strategy == "fsdp"
         # Wrapped before the optimizers are built: with fsdp they step the sharded parameters.
         self.parallel = ParallelModel(policy, tcfg, process_group, self.device, self.world)
@@ -185,7 +201,9 @@ class Trainer:
         # The shared-prefix layout (runtime.train.batches) needs the prompt's KV cache with its graph, which
         # gradient checkpointing drops; fsdp would need every rank to agree on the layout per micro-batch;
         # a critic reads the padded layout. Elsewhere the planner uses it when it saves tokens.
-        self.shared_prefix_allowed = not self.sharded and not tcfg.gradient_checkpointing and self.critic is None
+        self.shared_prefix_allowed = (
+            not self.sharded and not tcfg.gradient_checkpointing and self.critic is None and tcfg.layout != "packed"
+        )
         self._offloaded: dict[int, dict] | None = None
 
     # ----------------------------------------------------------------- public
@@ -503,10 +521,8 @@ class Trainer:
             mb = plan.collate(b, samples, self.pad_id, self.device)
             for key in keys:
                 if key == "old_values":
-                    assert self.critic_parallel is not None and isinstance(mb, PaddedBatch)
-                    flat = self.critic_parallel.forward(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][
-                        mb.rows, mb.cols
-                    ]
+                    assert self.critic_parallel is not None  # a critic never gets the shared-prefix layout
+                    flat = mb.predicting(self.critic_parallel.forward(**mb.forward_inputs()))
                 else:
                     flat = (
                         self._token_logprobs(self.parallel.forward, mb, prefix_model=self.parallel.prefix_forward)
@@ -522,7 +538,8 @@ class Trainer:
     def _plan(self, samples: list[Sample], indices: list[int], shared_prefix: bool = True) -> MicroBatchPlan:
         """The micro-batches of ``indices``: shared-prefix where this trainer allows it and it saves tokens."""
         allow = shared_prefix and self.shared_prefix_allowed
-        return plan_micro_batches(samples, indices, self.spec.trainer.micro_batch_tokens, allow)
+        tcfg = self.spec.trainer
+        return plan_micro_batches(samples, indices, tcfg.micro_batch_tokens, allow, packed=tcfg.layout != "padded")
 
     def _token_logprobs(
         self,
@@ -586,6 +603,7 @@ class Trainer:
         stats.add_sum("padded_tokens", float(plan.processed_tokens))
         stats.add_sum("sample_tokens", float(sum(samples[i].num_tokens for i in mini)))
         stats.add_sum("shared_prefix_batches", float(len(plan)) if plan.shared_prefix else 0.0)
+        stats.add_sum("packed_batches", float(len(plan)) if plan.layout == "packed" else 0.0)
         stats.add_sum("micro_batches", float(len(plan)))
         behaviour = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]
 
@@ -693,14 +711,13 @@ class Trainer:
             stats.add_sum(f"tok:{name}", float((values.detach() * mb.mask).sum()))
         stats.add_sum("tok_count", float(mb.mask.sum()))
         if self.critic is not None:
-            assert isinstance(mb, PaddedBatch)  # a critic keeps the padded layout (shared_prefix_allowed)
-            vloss = self._critic_backward(mb, num_tokens, num_seqs)
+            vloss = self._critic_backward(mb, num_tokens, num_seqs)  # never shared-prefix (shared_prefix_allowed)
         return loss.detach().double().cpu(), vloss
 
-    def _critic_backward(self, mb: PaddedBatch, num_tokens: float, num_seqs: float) -> Tensor:
+    def _critic_backward(self, mb: ResponseLayout, num_tokens: float, num_seqs: float) -> Tensor:
         assert self.critic_parallel is not None
         values = torch.zeros(mb.mask.shape, dtype=torch.float32, device=self.device)
-        flat = self.critic_parallel.forward(mb.input_ids, mb.attention_mask, mb.position_ids)[:, :-1][mb.rows, mb.cols]
+        flat = mb.predicting(self.critic_parallel.forward(**mb.forward_inputs()))
         values = values.index_put((mb.rows, mb.cols), flat.float())
         token_loss, _ = value_loss_fn(
             values, mb.scatter(self._old_values), mb.scatter(self._returns), mb.mask, self.cfg.value_clip
@@ -762,6 +779,7 @@ class _Stats:
             out[COMPUTED_TOKENS_RATIO] = padded / sums["sample_tokens"]
         if sums.get("micro_batches", 0.0) > 0:
             out[SHARED_PREFIX_SHARE] = sums.get("shared_prefix_batches", 0.0) / sums["micro_batches"]
+            out[PACKED_SHARE] = sums.get("packed_batches", 0.0) / sums["micro_batches"]
         tok = max(sums.get("tok_count", 0.0), 1.0)
         for key, value in sums.items():
             if key.startswith("tok:"):

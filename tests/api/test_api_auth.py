@@ -64,6 +64,13 @@ ENDPOINTS = [
     ("get", "/api/checkpoints/1/files/model.safetensors/"),
     ("post", "/api/checkpoints/1/pin/"),
     ("post", "/api/checkpoints/1/unpin/"),
+    ("get", "/api/runs/1/alerts/"),
+    ("post", "/api/runs/1/alerts/"),
+    ("patch", "/api/runs/1/alerts/1/"),
+    ("delete", "/api/runs/1/alerts/1/"),
+    ("get", "/api/runs/1/alerts/webhook/"),
+    ("put", "/api/runs/1/alerts/webhook/"),
+    ("get", "/api/runs/1/alerts/deliveries/"),
 ]
 
 
@@ -71,7 +78,7 @@ def test_the_endpoint_list_covers_every_route_of_the_user_api():
     from rlplatform.urls import router
 
     routes = {str(pattern.pattern) for pattern in router.urls}
-    assert len(routes) == 34
+    assert len(routes) == 38
     listed = [path.lstrip("/") for _m, path in ENDPOINTS]
     for route in routes:
         regex = re.compile(route.replace("^", "^api/"))

@@ -40,3 +40,23 @@ def test_every_module_parses():
             [NODE, "--input-type=module", "--check"], input=path.read_text(), capture_output=True, text=True, timeout=30
         )
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
+
+
+def test_device_charts_are_laid_out_per_device_from_its_first_point():
+    out = _node(
+        'import { newDeviceCharts } from "./frontend/js/device_charts.js";'
+        "const keys = ['reward/mean', 'device/trainer-0/cpu/util', 'device/trainer-0/cpu/mem_used_bytes',"
+        " 'device/trainer-0/cpu/mem_peak_bytes', 'device/rollout-1/cuda0/temp_c', 'device/x/y/unknown'];"
+        "const charted = new Set(['device/rollout-1/cuda0/temp_c']);"
+        "console.log(JSON.stringify([newDeviceCharts(keys, (k) => false), newDeviceCharts(keys, (k) => charted.has(k))]));"
+    )
+    every, fresh = out
+    assert every == [
+        {"title": "trainer-0 · cpu: utilisation (%)", "keys": ["device/trainer-0/cpu/util"]},
+        {
+            "title": "trainer-0 · cpu: memory (bytes)",
+            "keys": ["device/trainer-0/cpu/mem_used_bytes", "device/trainer-0/cpu/mem_peak_bytes"],
+        },
+        {"title": "rollout-1 · cuda0: temperature (°C)", "keys": ["device/rollout-1/cuda0/temp_c"]},
+    ]
+    assert fresh == every[:2]  # a device already charted gets nothing new

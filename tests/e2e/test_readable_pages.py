@@ -217,6 +217,7 @@ def test_run_page_sections_have_links_and_remember_being_folded(
         "#charts-consistency",
         "#section-roles",
         "#section-events",
+        "#section-alerts",
         "#section-configs",
         "#section-spec",
     ]

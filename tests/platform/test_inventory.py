@@ -227,7 +227,7 @@ def test_probe_nvidia_passes_the_query_and_reads_rows(tmp_path, monkeypatch):
     assert (kind, devices) == ("gpu", [DeviceInfo(0, "gpu", "NVIDIA L4", 23034, True, "OK")])
     assert args.read_text().split() == [
         "--query-gpu=index,uuid,name,memory.total,memory.used,ecc.errors.uncorrected.volatile.total,"
-        "retired_pages.pending",
+        "retired_pages.pending,utilization.gpu",
         "--format=csv,noheader,nounits",
     ]
 

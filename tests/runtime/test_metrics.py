@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import warnings
 
 import pytest
 
@@ -19,13 +18,11 @@ from runtime.metrics import (
     Reporter,
     ReporterError,
     StepTimer,
-    TensorBoardReporter,
     bubble_fraction,
     build_reporters,
     consistency_metrics,
     format_progress,
     read_jsonl,
-    tensorboard_available,
 )
 from runtime.spec import MetricsSpec
 
@@ -33,7 +30,7 @@ CONTRACT_NAMES = """reward/mean reward/std accuracy eval/accuracy loss/policy lo
 clip_fraction grad_norm lr response_len/mean response_len/max staleness/mean staleness/max queue/depth
 queue/watermark samples/dropped_stale throughput/gen_tokens_per_s throughput/train_tokens_per_s
 throughput/samples_per_s time/generate time/train time/weight_sync time/wait bubble/trainer train/padding_ratio
-train/computed_tokens_ratio train/shared_prefix
+train/computed_tokens_ratio train/shared_prefix train/packed
 consistency/logprob_diff_mean consistency/logprob_diff_max consistency/kl weights/version""".split()
 # the rollout bubbles and dynamic parallelism of the multi-instance rollout, and reward-service drops
 CONTRACT_NAMES += """rollout/padding_ratio rollout/skewness rollout/sorting_wait rollout/active_instances
@@ -233,27 +230,6 @@ def test_build_reporters_from_spec(tmp_path):
 
     none = build_reporters(MetricsSpec(progress_bar=False, jsonl=False), tmp_path / "x")
     assert none.reporters == []
-
-
-def test_tensorboard_missing_is_a_clear_message(tmp_path):
-    if tensorboard_available():
-        pytest.skip("tensorboard is installed here")
-    with pytest.raises(ReporterError, match="needs the `tensorboard` package .* metrics.tensorboard=false"):
-        TensorBoardReporter(tmp_path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        multi = build_reporters(MetricsSpec(progress_bar=False, jsonl=False, tensorboard=True), tmp_path)
-    assert multi.reporters == []
-    assert any("tensorboard` package is not installed" in str(w.message) for w in caught)
-
-
-def test_tensorboard_writes_event_files(tmp_path):
-    if not tensorboard_available():
-        pytest.skip("tensorboard is not installed")
-    r = TensorBoardReporter(tmp_path / "tb")
-    r.report(1, {"reward/mean": 0.5})
-    r.close()
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
 
 
 # ---------------------------------------------------------------- timer

@@ -119,6 +119,14 @@ WITH = {
     "rollout.kv_cache_gib": (2.0, VLLM, {}),
     "rollout.max_batch_tokens": (4096, {}, VLLM),
 }
+# a tracker's settings act only when metrics.reporters asks for it
+_MLFLOW, _WANDB = {"metrics": {"reporters": ["mlflow"]}}, {"metrics": {"reporters": ["wandb"]}}
+WITH |= {
+    "metrics.mlflow_tracking_uri": ("http://mlflow.example:5000", _MLFLOW, _WANDB),
+    "metrics.mlflow_experiment": ("rl", _MLFLOW, _WANDB),
+    "metrics.wandb_project": ("rl", _WANDB, _MLFLOW),
+    "metrics.wandb_mode": ("online", _WANDB, {}),
+}
 # workload gym: each learner's knobs act with its algorithm only
 _GYM = {"workload": "gym", "env": {"id": "CartPole-v1"}}
 _PPO, _DQN = {**_GYM, "agent": {"algorithm": "ppo"}}, {**_GYM, "agent": {"algorithm": "dqn"}}

@@ -28,7 +28,7 @@ class PublishedPolicy:
 
     def __init__(self, model_spec: Any, device: torch.device | str):
         self.device = torch.device(device)
-        model = _skeleton(model_spec)
+        model = _skeleton(model_spec, self.device.type)
         _materialise_buffers(model, self.device)
         self.model = model.eval().requires_grad_(False)
         self._empty: State = dict(model.state_dict())  # meta tensors: what release() binds back
@@ -58,27 +58,35 @@ class PublishedPolicy:
             self.release()
 
 
-def _skeleton(model_spec: Any) -> Any:
-    """The policy's module tree on the ``meta`` device, as ``runtime.models.build_policy`` builds it: the
-    plain decoder for a built-in or a checkpoint it computes exactly, transformers' class for another one."""
-    from runtime.models import DTYPES, CharTokenizer, check_model_path
+def _skeleton(model_spec: Any, device_type: str) -> Any:
+    """The policy's module tree on the ``meta`` device, as ``runtime.models.build_policy`` builds it in the
+    implementation ``model.implementation`` gives (``runtime.models.implementation``)."""
+    from runtime.models import DTYPES, CharTokenizer, builtin_config, check_model_path
     from runtime.models.hf_files import plain_config
-    from runtime.models.loading import build_builtin, plain_decoder
+    from runtime.models.implementation import choose_implementation
+    from runtime.models.loading import build_builtin, plain_decoder, transformers_builtin
 
     dtype = DTYPES[model_spec.dtype]
+    transformers_ = choose_implementation(model_spec, device_type) == "transformers"
+    attention = model_spec.attn_implementation
     if model_spec.path:
         path = check_model_path(model_spec.path)
-        plain = plain_config(path)
+        plain = None if transformers_ else plain_config(path)
         if plain is not None:  # as load_checkpoint builds it
             with torch.device("meta"):
                 return plain_decoder(plain, dtype)
-        from transformers import AutoConfig, AutoModelForCausalLM  # heavy import, only for another checkpoint
+        from transformers import AutoConfig, AutoModelForCausalLM  # heavy import, only for transformers
 
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        kwargs = {"attn_implementation": attention} if attention else {}
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.device("meta"):  # a built-in architecture always takes the char vocabulary
-        return build_builtin(model_spec.builtin, dtype, CharTokenizer())
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    tok = CharTokenizer()  # a built-in architecture always takes the char vocabulary
+    with torch.device("meta"):
+        if transformers_:
+            config = builtin_config(model_spec.builtin, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+            return transformers_builtin(config.replace(dtype=str(dtype).removeprefix("torch.")), dtype, attention)
+        return build_builtin(model_spec.builtin, dtype, tok)
 
 
 def _materialise_buffers(model: Any, device: torch.device) -> None:

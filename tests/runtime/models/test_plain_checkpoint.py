@@ -95,12 +95,22 @@ def test_a_checkpoint_it_would_compute_otherwise_goes_to_transformers(tmp_path, 
     assert plain_config(directory) is None
 
 
-def test_sharded_weights_go_to_transformers(tmp_path):
-    _, directory = _export(tmp_path)
-    (directory / "model.safetensors.index.json").write_text("{}")
+def test_sharded_weights_load_plainly_as_the_single_file_does(tmp_path):
+    original, directory = _export(tmp_path)
+    state = load_file(str(directory / "model.safetensors"))
+    (directory / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(directory / shard), metadata={"format": "pt"})
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert plain_config(directory) is not None  # how it was saved does not decide the implementation
+    loaded, _ = build_policy(ModelSpec(builtin=None, path=str(directory), tokenizer="char"), "cpu")
+    assert isinstance(loaded, DecoderForCausalLM)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in original.state_dict().items())
+    (directory / "model-00002-of-00002.safetensors").unlink()  # an index naming a missing shard: not plain
     assert plain_config(directory) is None
-    loaded, _ = build_policy(ModelSpec(builtin=None, path=str(_export(tmp_path / "b")[1]), tokenizer="char"), "cpu")
-    assert isinstance(loaded, DecoderForCausalLM)  # the same directory without the index: plain
 
 
 def test_weights_that_do_not_fit_the_config_are_a_model_path_error(tmp_path):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from runtime.contract import GRAD_NORM, LOSS_POLICY
+from runtime.contract import GRAD_NORM, LOSS_POLICY, PACKED_SHARE
 from runtime.train.batches import make_micro_batches
 from runtime.train.parallel import decoder_layers, training_state_bytes
 from runtime.train.trainer import Trainer
@@ -36,12 +36,14 @@ def _strategies_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     try:
         results = {}
-        for strategy in ("ddp", "fsdp"):
+        for strategy, layout in (("ddp", "packed"), ("fsdp", "packed"), ("ddp", "padded"), ("fsdp", "padded")):
             policy, tok = _policy()
-            spec = _spec(*TWO_RANKS, "trainer.updates_per_step=2", f"trainer.strategy={strategy}")
+            spec = _spec(
+                *TWO_RANKS, "trainer.updates_per_step=2", f"trainer.strategy={strategy}", f"trainer.layout={layout}"
+            )
             trainer = Trainer(spec, policy, tok, "cpu", process_group=dist.group.WORLD)
             metrics = [trainer.train_step(_uneven_shard(step, rank), step) for step in range(3)]
-            results[strategy] = {
+            results[strategy if layout == "packed" else f"{strategy}-padded"] = {
                 "metrics": metrics,
                 "scored": trainer.score_logprobs(_uneven_shard(3, rank)),
                 "published": trainer.publish_state(),
@@ -61,9 +63,16 @@ def test_ddp_and_fsdp_give_the_same_losses_and_scores_on_uneven_shards(tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     ddp, fsdp = ranks[0]["ddp"], ranks[0]["fsdp"]
-    for step, (a, b) in enumerate(zip(ddp["metrics"], fsdp["metrics"], strict=True)):
-        for key in (LOSS_POLICY, GRAD_NORM):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key)
+    assert ddp["metrics"][0][PACKED_SHARE] == fsdp["metrics"][0][PACKED_SHARE] == 1.0
+    assert (
+        ranks[0]["ddp-padded"]["metrics"][0][PACKED_SHARE] == ranks[0]["fsdp-padded"]["metrics"][0][PACKED_SHARE] == 0
+    )
+    # packed and right-padded micro-batches, under either strategy: the same training
+    for other in (fsdp, ranks[0]["ddp-padded"], ranks[0]["fsdp-padded"]):
+        for step, (a, b) in enumerate(zip(ddp["metrics"], other["metrics"], strict=True)):
+            for key in (LOSS_POLICY, GRAD_NORM):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key)
+    for step, b in enumerate(fsdp["metrics"]):
         assert ranks[1]["fsdp"]["metrics"][step][LOSS_POLICY] == b[LOSS_POLICY]  # global metrics on every rank
     for r in range(2):
         for a, b in zip(ranks[r]["ddp"]["scored"], ranks[r]["fsdp"]["scored"], strict=True):
@@ -149,13 +158,13 @@ def test_ddp_bf16_autocasts_on_float32_master_weights():
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())  # it trained
 
 
-def test_gradient_checkpointing_checkpoints_every_layer_and_gives_the_same_update():
+def test_gradient_checkpointing_checkpoints_every_layer_and_gives_the_same_update_packed():
     results = {}
-    for on in (False, True):
+    for on in (False, True):  # in the packed layout (test_packed compares it with padded rows)
         policy, tok = _policy()
-        trainer = Trainer(_spec("trainer.lr=0.001", f"trainer.gradient_checkpointing={on}"), policy, tok, "cpu")
-        assert trainer.shared_prefix_allowed is not on  # checkpointing drops the prompt cache's graph
-        trainer.shared_prefix_allowed = False  # both in the padded layout: this compares checkpointing alone
+        spec = _spec("trainer.lr=0.001", f"trainer.gradient_checkpointing={on}", "trainer.layout=packed")
+        trainer = Trainer(spec, policy, tok, "cpu")
+        assert not trainer.shared_prefix_allowed  # layout packed; checkpointing would drop the prompt cache's graph
         checkpointed = []
         for layer in decoder_layers(policy):
             run = layer._gradient_checkpointing_func if on else None  # HF sets it only when enabled

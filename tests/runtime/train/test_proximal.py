@@ -30,7 +30,8 @@ def _counting_no_grad_forwards(policy) -> list[int]:
 
 def _trainer(mode: str, padded: bool = False):
     policy, tok = _policy()
-    spec = _spec("trainer.updates_per_step=2", f"algorithm.proximal_logprobs={mode}")
+    layout = ("trainer.layout=padded",) if padded else ()
+    spec = _spec("trainer.updates_per_step=2", f"algorithm.proximal_logprobs={mode}", *layout)
     trainer = Trainer(spec, policy, tok, "cpu")
     if padded:  # one forward per micro-batch, one row per sample: the rows scored are the samples scored
         trainer.shared_prefix_allowed = False

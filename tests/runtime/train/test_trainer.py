@@ -106,8 +106,8 @@ def test_make_micro_batches_sorts_by_length_and_respects_budget():
 
 def test_train_step_reports_padding_ratio_of_its_micro_batches():
     policy, tok = _policy()
-    trainer = Trainer(_spec("trainer.micro_batch_tokens=20"), policy, tok, "cpu")
-    trainer.shared_prefix_allowed = False  # the padded layout's accounting (test_batches covers the other)
+    trainer = Trainer(_spec("trainer.micro_batch_tokens=20", "trainer.layout=padded"), policy, tok, "cpu")
+    trainer.shared_prefix_allowed = False  # the padded layout's accounting (test_batches, test_packed: the others)
     samples = _samples(1, 4)
     for s, total in zip(samples, [10, 2, 9, 3], strict=True):
         s.prompt_ids, s.response_ids = s.prompt_ids[:1], list(range(4, 3 + total))
