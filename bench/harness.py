@@ -1,5 +1,5 @@
-"""What the platform benchmarks share: Django set-up against the benchmark's
-PostgreSQL, and a real uvicorn serving ``rlplatform.asgi:application``.
+"""What the benchmarks share: Django set-up against the benchmark's PostgreSQL, a real uvicorn serving
+``rlplatform.asgi:application``, and interleaved rounds of variants (``interleaved``).
 
 Imported as ``harness`` by the scripts in this folder (run as
 ``python bench/<name>.py``, which puts bench/ first on ``sys.path``).
@@ -13,9 +13,32 @@ import secrets
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
+
+Figure = TypeVar("Figure")
+
+
+def interleaved(
+    variants: Sequence[str],
+    rounds: int,
+    measure: Callable[[str, int], Figure],
+    after_round: Callable[[int, dict[str, list[Figure]]], None] | None = None,
+) -> dict[str, list[Figure]]:
+    """``measure(variant, round)`` of every variant in each of ``rounds`` rounds, the order rotated per round
+    (A B C, B C A, C A B, ...) so that drift on the machine falls on every variant alike; each variant's
+    figures in round order. ``after_round(round, figures)`` is called once a round is done (progress lines)."""
+    figures: dict[str, list[Figure]] = {v: [] for v in variants}
+    for r in range(rounds):
+        k = r % len(variants)
+        for variant in [*variants[k:], *variants[:k]]:
+            figures[variant].append(measure(variant, r))
+        if after_round is not None:
+            after_round(r, figures)
+    return figures
 
 
 def setup_django(redis_reason: str | None = None) -> None:

@@ -2,8 +2,8 @@
 (a loop over parameters), ``foreach`` (multi-tensor: the update the runtime's own AdamW ran, bit for bit, until
 this measurement retired it) and ``fused`` (what ``runtime.train.optimizer.AdamW`` builds on cpu, cuda and npu).
 
-Each model is a built-in decoder (``tiny-qwen2``, ``small-qwen2`` and a Qwen2 of about 12.6 M parameters,
-hidden 384, 8 layers, head_dim 64, the size the medium preset targets) with a fixed random gradient on every
+Each model is a built-in decoder preset (``tiny-qwen2``, ``small-qwen2`` and ``medium-qwen2``: about 12.6 M
+parameters, hidden 384, 8 layers, head_dim 64; ``--models`` names others) with a fixed random gradient on every
 parameter. Rounds interleave the variants (A B C, B C A, ...), each timing ``step()`` after a warm-up step; the
 figure is the median over rounds of each round's mean step, and the ratios are against ``foreach``.
 After the same steps from the same state all three must hold the same parameters to float rounding (checked).
@@ -26,25 +26,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from harness import interleaved  # noqa: E402
 
 from runtime.models.configs import builtin_config  # noqa: E402
 from runtime.models.decoder import DecoderForCausalLM  # noqa: E402
 from runtime.train.optimizer import AdamW  # noqa: E402
 
-MODELS = {
-    "tiny-qwen2": None,
-    "small-qwen2": None,
-    "qwen2-12.6M": dict(
-        hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1024
-    ),
-}
+MODELS = ("tiny-qwen2", "small-qwen2", "medium-qwen2")  # built-in presets (runtime.models.configs)
 
 
 def parameters(name: str) -> list[torch.Tensor]:
-    base = "tiny-qwen2" if MODELS[name] else name
-    cfg = builtin_config(base, vocab_size=100, pad_id=0, bos_id=None, eos_id=1)
-    for key, value in (MODELS[name] or {}).items():
-        setattr(cfg, key, value)
+    cfg = builtin_config(name, vocab_size=100, pad_id=0, bos_id=None, eos_id=1)
     torch.manual_seed(0)
     params = list(DecoderForCausalLM(cfg).parameters())
     for p in params:
@@ -69,31 +61,32 @@ def clone(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def mean_step_s(optimizer: torch.optim.Optimizer, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        optimizer.step()
+    return (time.perf_counter() - t0) / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (well under a minute)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), help="built-in presets (runtime.models.configs)")
     args = ap.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     steps = args.steps or (5 if args.quick else 20)
     variants = ["foreach", "single", "trainer"]  # trainer: runtime.train.optimizer.AdamW, fused
     result: dict = {"threads": torch.get_num_threads(), "rounds": rounds, "steps": steps, "models": {}}
-    for name in MODELS:
+    for name in args.models:
         base = parameters(name)
         n_params = sum(p.numel() for p in base)
         sets = {v: clone(base) for v in variants}
         opts = {v: build(v, sets[v]) for v in variants}
         for v in variants:
             opts[v].step()  # warm-up: state allocated
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for r in range(rounds):
-            order = variants[r % 3 :] + variants[: r % 3]
-            for v in order:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    opts[v].step()
-                times[v].append((time.perf_counter() - t0) / steps)
+        times = interleaved(variants, rounds, lambda v, _r, opts=opts: mean_step_s(opts[v], steps))
         ref = sets["foreach"]
         gap = {
             v: max(float((a - b).detach().abs().max()) for a, b in zip(ref, sets[v], strict=True)) for v in variants[1:]

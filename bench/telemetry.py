@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from harness import interleaved  # noqa: E402
 
 from runtime.pipeline import run  # noqa: E402
 from runtime.spec import load_spec  # noqa: E402
@@ -92,18 +93,16 @@ def main() -> None:
     steps = args.steps or (16 if args.quick else 40)
     torch.set_num_threads(1)
     names = list(VARIANTS)
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    sampled: dict[str, list[int]] = {n: [] for n in names}
     started = time.perf_counter()
+
+    def progress(r: int, runs: dict[str, list[tuple[float, int]]]) -> None:
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {runs[n][-1][0]:.1f}" for n in names), flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         one_run(0.0, 2, Path(tmp))  # warm-up: imports, allocator
-        for r in range(rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                rate, with_device = one_run(VARIANTS[name], steps, Path(tmp))
-                rates[name].append(rate)
-                sampled[name].append(with_device)
-            print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names), flush=True)
+        runs = interleaved(names, rounds, lambda name, _r: one_run(VARIANTS[name], steps, Path(tmp)), progress)
+    rates = {n: [rate for rate, _ in runs[n]] for n in names}
+    sampled = {n: [with_device for _, with_device in runs[n]] for n in names}
     telemetry = Telemetry("trainer-0", samplers_for("cpu"), 5.0)
     costs = []
     for _ in range(200):

@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from harness import interleaved  # noqa: E402
 
 from runtime.contract import COMPUTED_TOKENS_RATIO, LOSS_POLICY  # noqa: E402
 from runtime.models import build_policy  # noqa: E402
@@ -106,13 +107,13 @@ def measure(model: str, workload: str, prompts: int, rounds: int, threads: int) 
     for layout in LAYOUTS[1:]:
         a, b = first[layout][LOSS_POLICY], first["padded"][LOSS_POLICY]
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (model, workload, layout, a, b)
-    times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-    for r in range(rounds):
-        order = LAYOUTS[r % len(LAYOUTS) :] + LAYOUTS[: r % len(LAYOUTS)]
-        for layout in order:
-            started = time.perf_counter()
-            trainers[layout].train_step(samples, r + 1)
-            times[layout].append(time.perf_counter() - started)
+
+    def step_s(layout: str, r: int) -> float:
+        started = time.perf_counter()
+        trainers[layout].train_step(samples, r + 1)
+        return time.perf_counter() - started
+
+    times = interleaved(LAYOUTS, rounds, step_s)
     step = {layout: statistics.median(v) for layout, v in times.items()}
     real = sum(s.num_tokens for s in samples)
     return {

@@ -21,6 +21,14 @@ dropped when seq <= the last sent, and when it skips ahead the missing
 entries are read from the table first — so no gap and no duplicate, even
 when sends race or a full channel or queue drops some.
 
+Runs list (``ws/runs/``): a snapshot of the user's unfinished runs and their groups' device counts, then
+changes. A page asks for more with ``?follow=alerts,devices``: ``alerts`` (the runs pages' alert banner) a
+snapshot of the teams' runs with firing rules, then each run's rules when one changes (jobs.alerts);
+``devices`` (the Cluster page) the groups' device rows (utilisation, memory, holder: jobs.device_usage), then
+the rows that changed after a heartbeat or an allocation, read at most once every ``TANDEM_CLUSTER_LIVE_S``
+per socket however many changes arrive (rlplatform.live). Holders are what the page shows: a run of another
+team by number only.
+
 Fan-out: one relay per process and run is the channel group's member and hands
 each live message to the run's consumers in this process. A member per
 consumer made the channel layer store, send and decode every message once per
@@ -34,12 +42,14 @@ import contextlib
 import logging
 import weakref
 from typing import Any
+from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
-from jobs import queue_order, stream
+from jobs import device_usage, queue_order, stream
+from jobs.alerts import evaluate as alerts
 from jobs.models import Run, RunStreamEntry
 from jobs.states import TERMINAL_STATES, RunState
 from rlplatform import permissions as perms
@@ -351,8 +361,29 @@ def _queued_in_group(teams: list[int], group_id: int) -> list[dict[str, Any]]:
     return _summaries(Run.objects.queued().filter(experiment__team_id__in=teams, experiment__group_id=group_id))
 
 
+@database_sync_to_async
+def _firing(teams: list[int]) -> list[dict[str, Any]]:
+    """The banner rows of the teams' runs with a firing rule (jobs.alerts.evaluate.firing_runs)."""
+    return alerts.firing_runs(Run.objects.filter(experiment__team_id__in=teams))
+
+
+@database_sync_to_async
+def _device_rows(teams: list[int], group_id: int) -> list[dict[str, Any]]:
+    """The group's device rows; a holder the teams may not see is marked so (number only)."""
+    return device_usage.live_rows(group_id, Run.objects.filter(experiment__team_id__in=teams))
+
+
+FOLLOW = frozenset({"alerts", "devices"})  # what a runs-list socket may follow besides runs (?follow=...)
+
+
+def _follow(scope) -> frozenset[str]:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("follow", [])
+    return frozenset(part for value in values for part in value.split(",")) & FOLLOW
+
+
 class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
-    """The runs list and cluster view: a snapshot of the user's unfinished runs and group usage, then changes."""
+    """The runs list and cluster view: a snapshot of the user's unfinished runs and group usage, then changes;
+    with ``?follow=``, the runs' firing alerts and the groups' device rows too (see the module docstring)."""
 
     async def connect(self):
         await self.accept()
@@ -371,10 +402,22 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
         self.sent_queued: dict[int, tuple] = {}  # run id -> (reason, position) last sent for a queued run
         self.queue_refresh: dict[int, asyncio.Task] = {}  # group id -> the read of its queue under way
         self.queue_dirty: set[int] = set()  # groups whose queue moved again while being read
+        self.follow = _follow(self.scope)
+        self.device_groups = frozenset(groups)
+        self.sent_devices: dict[str, dict[str, Any]] = {}  # device key -> the row last sent
+        self.devices_dirty: set[int] = set()  # groups whose devices changed since their last read
+        self.devices_task: asyncio.Task | None = None
+        self.devices_read_at = -float("inf")  # the event loop's time of the last read
         for run in runs:
             await self._send_run(run)
         for group in usage:
             await self.send_json({"type": "cluster", "data": group})
+        if "alerts" in self.follow:
+            await self.send_json({"type": "alerts", "data": {"snapshot": True, "runs": await _firing(teams)}})
+        if "devices" in self.follow:
+            self.devices_read_at = asyncio.get_running_loop().time()
+            for group_id in sorted(groups):
+                await self._send_devices(group_id, await _device_rows(teams, group_id))
         self._set_teams(teams)
 
     async def disconnect(self, code):
@@ -382,6 +425,8 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
         await self._leave_groups()
         for task in list(getattr(self, "queue_refresh", {}).values()):
             task.cancel()
+        if getattr(self, "devices_task", None) is not None:
+            self.devices_task.cancel()
 
     async def _leave_groups(self) -> None:
         for name in getattr(self, "groups_joined", []):
@@ -409,6 +454,53 @@ class RunsConsumer(_AccessWatch, AsyncJsonWebsocketConsumer):
     async def runs_cluster(self, message):
         if not self.denied:
             await self.send_json({"type": "cluster", "data": message["data"]})
+            self._devices_changed(message["data"]["id"])  # runs admitted or released: holders changed
+
+    async def runs_alerts(self, message):
+        """A run's firing rules changed (jobs.alerts.evaluate.tell_runs_lists; sent to its team's group)."""
+        if not self.denied and "alerts" in self.follow:
+            await self.send_json({"type": "alerts", "data": {"snapshot": False, "runs": [message["data"]]}})
+
+    async def runs_devices(self, message):
+        """A heartbeat changed the group's devices (rlplatform.live): read them again, throttled."""
+        self._devices_changed(message["group"])
+
+    def _devices_changed(self, group_id: int) -> None:
+        if self.denied or "devices" not in self.follow or group_id not in self.device_groups:
+            return
+        self.devices_dirty.add(group_id)
+        if self.devices_task is None:
+            self.devices_task = asyncio.create_task(self._refresh_devices())
+
+    async def _refresh_devices(self) -> None:
+        """Read the changed groups' devices at most once every TANDEM_CLUSTER_LIVE_S; changes that arrive
+        meanwhile wait for the next read (each read starts after the changes it covers were told)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self.devices_dirty and not self.denied:
+                wait = self.devices_read_at + settings.TANDEM_CLUSTER_LIVE_S - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                groups, self.devices_dirty = sorted(self.devices_dirty), set()
+                self.devices_read_at = loop.time()
+                for group_id in groups:
+                    try:
+                        rows = await _device_rows(sorted(self._teams), group_id)
+                    except Exception:  # a database outage: the next change reads again
+                        log.warning("could not read group %s's devices for a cluster page", group_id, exc_info=True)
+                        continue
+                    if self.denied:
+                        return
+                    await self._send_devices(group_id, rows)
+        finally:
+            self.devices_task = None
+
+    async def _send_devices(self, group_id: int, rows: list[dict[str, Any]]) -> None:
+        """The rows that differ from what this socket last sent (all of them, the first time)."""
+        changed = [row for row in rows if self.sent_devices.get(row["key"]) != row]
+        if changed:
+            self.sent_devices.update((row["key"], row) for row in changed)
+            await self.send_json({"type": "devices", "data": {"group": group_id, "devices": changed}})
 
     async def runs_queue(self, message):
         """A group's queue moved (jobs.stream.tell_changes): read this user's queued runs there again and send

@@ -1,6 +1,7 @@
 """The Cluster page's device rows: each device's utilisation and memory as its host agent last read them
 (``Device.usage``, stored by ``rlplatform.hosts.heartbeat``) and its holder, the run whose active allocation
-holds it (a run the viewer may not see is named by number only)."""
+holds it (a run the viewer may not see is named by number only). ``live_rows`` is the same for one group as
+the live page gets it (jobs.consumers: ``ws/runs/?follow=devices``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.db.models import QuerySet
+from django.utils import dateformat, timezone
 from django.utils.dateparse import parse_datetime
 
 from jobs.models import Allocation, Run
@@ -40,4 +42,20 @@ def rows_by_host(hosts: Iterable[Host], visible_runs: QuerySet[Run]) -> dict[int
                 "holder_visible": holder in seen,
             }
         )
+    return out
+
+
+def live_rows(group_id: int, visible_runs: QuerySet[Run]) -> list[dict[str, Any]]:
+    """The group's device rows as JSON for the live Cluster page: each as ``rows_by_host`` gives it, with
+    ``key`` ("host:index", the page's ``data-device``), ``host`` and ``at`` as the page shows it (text)."""
+    hosts = list(Host.objects.filter(group_id=group_id).order_by("name"))
+    rows = rows_by_host(hosts, visible_runs)
+    out = []
+    for host in hosts:
+        for row in rows.get(host.pk, []):
+            at = row["at"]
+            if at is not None and timezone.is_aware(at):
+                at = timezone.localtime(at)  # as the template's date filter shows it
+            text = dateformat.format(at, "Y-m-d H:i:s") if at is not None else None
+            out.append({**row, "key": f"{host.name}:{row['index']}", "host": host.name, "at": text})
     return out

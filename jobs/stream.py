@@ -42,6 +42,7 @@ from django.db import connection, transaction
 from jobs import queue_order
 from jobs.models import Experiment, Run, RunStreamEntry, StreamType
 from jobs.states import TERMINAL_STATES, RunState
+from rlplatform import live
 from runtime import contract as M
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "run_end_group",
     "run_group",
     "run_summary",
+    "send_run_alerts",
     "tell_changes",
     "team_group",
 ]
@@ -80,7 +82,7 @@ def team_group(team_id: int) -> str:
 
 
 def cluster_group(group_id: int) -> str:
-    return f"cluster.{group_id}"
+    return live.cluster_group(group_id)  # also told by heartbeats (rlplatform.live: the devices changed)
 
 
 def append(run_id: int, type: str, data: dict[str, Any]) -> int:
@@ -174,6 +176,12 @@ def send_key_metrics(run_id: int, team_id: int, step: int, values: dict[str, Any
     if metrics:
         data = {"id": run_id, "step": step, "metrics": metrics}
         transaction.on_commit(lambda: _send(team_group(team_id), {"type": "runs.metrics", "data": data}))
+
+
+def send_run_alerts(team_id: int, data: dict[str, Any]) -> None:
+    """Tell the runs lists of ``team_id`` a run's firing alert rules now (``data``: {id, name, experiment,
+    rules}; rules [] once none fires). Called after commit (jobs.alerts.evaluate); a snapshot, the latest wins."""
+    _send(team_group(team_id), {"type": "runs.alerts", "data": data})
 
 
 def run_summary(row: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from django.db import transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from rlplatform import locks
+from rlplatform import live, locks
 from rlplatform.inventory import DeviceInfo
 from rlplatform.models import Device, Host, HostStatus, ResourceGroup
 
@@ -248,7 +248,8 @@ def heartbeat(
     are marked unhealthy; indices the platform does not know are returned in
     ``unknown_indices`` so the agent can register them. ``devices_usage``
     (``{index: {"util_pct", "mem_used_mb"}}``, what the tool read) is stored on
-    each known device with the time it arrived, for the Cluster page.
+    each known device with the time it arrived, for the Cluster page; once committed, the pages showing
+    the host's group are told (rlplatform.live).
     """
     health = _clean_health(devices_health)
     usage = _clean_usage(devices_usage)
@@ -277,6 +278,10 @@ def heartbeat(
             beat.unknown_indices = sorted(set(health) - set(known))
         if usage:
             _store_usage(host_name, usage)
+        if usage or beat.health_changed:  # the Cluster pages read the group's device rows again (throttled)
+            group_id = Host.objects.filter(name=host_name).values_list("group_id", flat=True).first()
+            if group_id is not None:
+                live.devices_changed(group_id)
     if came_back:
         logger.warning("host %s is back online after being lost", host_name)
     if beat.health_changed:

@@ -279,6 +279,9 @@ TANDEM_PROMETHEUS_DIR = Path(env_str("PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "
 # Open live-UI WebSockets re-check their user's access this often (jobs/consumers.py), besides at once
 # on a membership change: the backstop for changes made outside rlplatform.memberships.
 TANDEM_WS_ACCESS_RECHECK_S = env_float("TANDEM_WS_ACCESS_RECHECK_S", 30.0, minimum=0.1)
+# The Cluster page's device rows (utilisation, memory, holder) reach an open page at most this often
+# (jobs/consumers.py): however many heartbeats arrive meanwhile, each socket reads once and sends what changed.
+TANDEM_CLUSTER_LIVE_S = env_float("TANDEM_CLUSTER_LIVE_S", 2.0, minimum=0.05)
 
 # --- Auth, REST framework, OpenAPI -------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

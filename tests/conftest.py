@@ -1,4 +1,4 @@
-"""Shared fixtures: personas, a CPU resource group, experiments and quotas.
+"""Shared fixtures: personas, a CPU resource group, experiments and quotas, authenticated API clients.
 
 Personas (given / when / then in tests reads as who does what):
   owner     admin of team A          editor   editor in team A
@@ -64,6 +64,19 @@ def spec_for(devices: int = 1, *, device: str = "cpu", rollout_workers: int = 1,
 def make_user(db, django_user_model):
     def make(username: str, **extra):
         return django_user_model.objects.create_user(username=username, password=f"{username}-pass-123", **extra)
+
+    return make
+
+
+@pytest.fixture
+def api_as(db):
+    """api_as(user) -> a DRF APIClient authenticated as ``user`` (force_authenticate: no login, no CSRF)."""
+    from rest_framework.test import APIClient
+
+    def make(user):
+        client = APIClient()
+        client.force_authenticate(user)
+        return client
 
     return make
 

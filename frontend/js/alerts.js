@@ -97,10 +97,35 @@ export function setupAlerts(live) {
   draw();
   document.getElementById("alert-form")?.addEventListener("submit", submitRule);
   const webhook = document.getElementById("alert-webhook");
-  if (webhook) webhook.value = live.alert_webhook || "";
-  document.getElementById("alert-webhook-save")?.addEventListener("click", () =>
-    save("webhook/", "PUT", { url: webhook.value.trim() }),
-  );
+  if (webhook) drawWebhook(live.alert_webhook);
+  document.getElementById("alert-webhook-save")?.addEventListener("click", saveWebhook);
+}
+
+// The run's webhook setting (GET/PUT .../alerts/webhook/): its own URL ("" none: the experiment's default
+// applies), or off (none at all); the input's placeholder shows the default, the note where alerts go.
+function drawWebhook(hook) {
+  const state = hook || { url: "", off: false, experiment_url: "", effective: "" };
+  const input = document.getElementById("alert-webhook");
+  const off = document.getElementById("alert-webhook-off");
+  input.value = state.url;
+  input.placeholder = state.experiment_url ? `experiment default: ${state.experiment_url}` : "https://...";
+  if (off) off.checked = state.off;
+  const note = document.getElementById("alert-webhook-effective");
+  if (note) {
+    const from = state.url ? "the run's own webhook" : "the experiment's default webhook";
+    note.textContent = state.effective ? `alerts go to ${from}` : "alerts go to no webhook";
+  }
+}
+
+async function saveWebhook() {
+  showError("");
+  const off = document.getElementById("alert-webhook-off")?.checked || false;
+  const url = document.getElementById("alert-webhook").value.trim();
+  try {
+    drawWebhook(await api("PUT", `/api/runs/${runId}/alerts/webhook/`, off ? { off: true, url } : { url }));
+  } catch (err) {
+    showError(err.message);
+  }
 }
 
 // A run event from the stream: an alert's transition redraws the banner and table.

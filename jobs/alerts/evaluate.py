@@ -11,8 +11,10 @@ Where each kind is evaluated:
 - ``check_silent_runs`` (beat, jobs.alerts.tasks): one query for the no_step rules whose run is RUNNING and
   whose newest step arrived more than ``threshold`` seconds ago; arrival of a step resolves them.
 
-A transition (ok -> firing, firing -> ok) is an ``alert_firing`` / ``alert_resolved`` run event and, when
-the run has a webhook, an AlertDelivery row whose task is sent after commit (jobs.alerts.webhook).
+A transition (ok -> firing, firing -> ok) is an ``alert_firing`` / ``alert_resolved`` run event, after commit
+a ``runs.alerts`` message to the team's runs lists (``tell_runs_lists``: their banners) and, when the run has
+a webhook (its own, else its experiment's default: jobs.alerts.webhook.target), an AlertDelivery row whose
+task is sent after commit (jobs.alerts.webhook).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from django.db.models import DateTimeField, DurationField, ExpressionWrapper, F,
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from jobs.alerts import events
+from jobs import run_events, stream
+from jobs.alerts import events, webhook
 from jobs.alerts.kinds import (
     BUBBLE,
     MEDIAN_MIN,
@@ -44,13 +47,15 @@ from jobs.alerts.kinds import (
     non_finite_keys,
     staleness_bound,
 )
-from jobs.models import AlertDelivery, AlertRule, AlertWebhook, Run, RunRole
+from jobs.models import AlertDelivery, AlertRule, Run, RunRole
 from jobs.states import RunState
 from rlplatform.celery import app
 
 log = logging.getLogger(__name__)
 
 DELIVER_TASK = "jobs.alerts.deliver_webhook"
+# A run's webhook setting and its experiment's default, as webhook.target takes them (one query with the run).
+WEBHOOK_FIELDS = ("alert_webhook__url", "alert_webhook__off", "experiment__alert_webhook__url")
 SEEN_EVERY_S = 1.0  # no_step: the newest step's arrival is written at most this often per rule
 
 Points = list[tuple[int, dict[str, Any]]]  # (step, metrics) in step order
@@ -191,14 +196,19 @@ def _transition(run: Run, rule: AlertRule, verdict: Verdict, now: datetime.datet
         "step": verdict.step,
         "message": verdict.message,
     }
-    events.record(run.pk, events.FIRING if verdict.firing else events.RESOLVED, payload)
-    url = AlertWebhook.objects.filter(run_id=run.pk).values_list("url", flat=True).first()
+    run_events.record(run.pk, events.FIRING if verdict.firing else events.RESOLVED, payload)
+    transaction.on_commit(lambda: tell_runs_lists(run.pk))  # the runs lists' banners
+    row = (
+        Run.objects.filter(pk=run.pk)
+        .values("name", "experiment__team_id", "experiment__team__name", *WEBHOOK_FIELDS)
+        .get()
+    )
+    url = webhook.target(*(row[f] for f in WEBHOOK_FIELDS))  # the run's own, else the experiment's default
     if url:
-        team = Run.objects.filter(pk=run.pk).values("name", "experiment__team_id", "experiment__team__name").get()
         body = {
             "rule": {"id": rule.pk, "kind": rule.kind, "metric": rule.metric},
-            "run": {"id": run.pk, "name": team["name"]},
-            "team": {"id": team["experiment__team_id"], "name": team["experiment__team__name"]},
+            "run": {"id": run.pk, "name": row["name"]},
+            "team": {"id": row["experiment__team_id"], "name": row["experiment__team__name"]},
             "state": state,
             "value": verdict.value,
             "threshold": rule.threshold,
@@ -299,3 +309,29 @@ def firing(run_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
             }
         )
     return out
+
+
+def firing_runs(runs) -> list[dict[str, Any]]:
+    """The runs lists' banner rows of those of ``runs`` (a queryset) with a firing rule, by run id:
+    ``[{id, name, experiment, rules}]`` (rules as ``firing`` gives them)."""
+    rows = list(
+        runs.filter(alert_rules__firing=True, alert_rules__enabled=True)
+        .values_list("pk", "name", "experiment_id")
+        .distinct()
+        .order_by("pk")
+    )
+    rules = firing([pk for pk, _name, _exp in rows])
+    return [{"id": pk, "name": name, "experiment": exp, "rules": rules[pk]} for pk, name, exp in rows if rules.get(pk)]
+
+
+def tell_runs_lists(run_id: int) -> None:
+    """After a transition commits: the runs lists of the run's team get its firing rules as they are now
+    (none: its banner row goes; jobs.consumers.RunsConsumer). Never raises: the transition is committed."""
+    try:
+        row = Run.objects.filter(pk=run_id).values("name", "experiment_id", "experiment__team_id").first()
+        if row is None:
+            return
+        data = {"id": run_id, "name": row["name"], "experiment": row["experiment_id"]}
+        stream.send_run_alerts(row["experiment__team_id"], {**data, "rules": firing([run_id]).get(run_id, [])})
+    except Exception:
+        log.warning("could not tell the runs lists about run %s's alerts", run_id, exc_info=True)

@@ -1,5 +1,5 @@
-"""An alert rule and a webhook URL as the API takes them: each bad field an ``InvalidInput`` naming it;
-and their reply bodies. The kinds are jobs.alerts.kinds'."""
+"""An alert rule, a webhook URL and a run's webhook setting as the API takes them: each bad field an
+``InvalidInput`` naming it; and their reply bodies. The kinds are jobs.alerts.kinds'."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import math
 from typing import Any
 from urllib.parse import urlsplit
 
+from jobs.alerts import webhook
 from jobs.alerts.kinds import KINDS, METRIC_KINDS, NON_FINITE, known_metric
 from jobs.handler import InvalidInput
-from jobs.models import AlertRule, AlertWebhook, Run
+from jobs.models import AlertRule, AlertWebhook, ExperimentAlertWebhook, Run
 
 MAX_URL = 500
 
@@ -68,7 +69,7 @@ def clean_rule(data: Any, rule: AlertRule | None = None) -> dict[str, Any]:
 
 def clean_webhook_url(value: Any) -> str:
     """A webhook URL: http(s) with a host, at most MAX_URL characters; "" or null: no webhook. Where it may
-    point (private addresses) is checked at delivery (jobs.alerts.webhook.refused_address)."""
+    point (private addresses) is checked at delivery (jobs.alerts.webhook.resolve)."""
     if value is None or value == "":
         return ""
     if not isinstance(value, str) or len(value) > MAX_URL or any(c.isspace() or c == "\x00" for c in value):
@@ -85,6 +86,38 @@ def clean_webhook_url(value: Any) -> str:
     return value
 
 
+def clean_experiment_webhook(data: Any) -> str:
+    """An experiment's default webhook URL from a PUT body ``{"url": URL}`` ("" removes the default)."""
+    if not isinstance(data, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    extra = sorted(set(data) - {"url"})
+    if extra:
+        raise InvalidInput([{"field": key, "message": "is not a field of an experiment's webhook"} for key in extra])
+    if "url" not in data:
+        raise InvalidInput.one("url", 'is required ("" removes the default)')
+    return clean_webhook_url(data["url"])
+
+
+def clean_run_webhook(data: Any) -> tuple[str, bool]:
+    """A run's webhook setting from a PUT body, as ``(url, off)``: ``{"url": URL}`` its own webhook;
+    ``{"url": ""}`` none of its own (its experiment's default applies); ``{"off": true}`` none at all, not
+    even the default. ``url`` is required unless ``off`` is true; each problem an error naming its field."""
+    if not isinstance(data, dict):
+        raise InvalidInput.one("body", "must be a JSON object")
+    extra = sorted(set(data) - {"url", "off"})
+    if extra:
+        raise InvalidInput([{"field": key, "message": "is not a field of a run's webhook"} for key in extra])
+    off = data.get("off", False)
+    if not isinstance(off, bool):
+        raise InvalidInput.one("off", "must be true or false")
+    if "url" not in data and not off:
+        raise InvalidInput.one("url", "is required (\"\" removes the run's own: the experiment's default applies)")
+    url = clean_webhook_url(data.get("url"))
+    if off and url:
+        raise InvalidInput.one("off", 'a run that opts out of webhooks has no url of its own: give "" or none')
+    return url, off
+
+
 def rule_body(rule: AlertRule) -> dict[str, Any]:
     return {
         "id": rule.pk,
@@ -99,5 +132,15 @@ def rule_body(rule: AlertRule) -> dict[str, Any]:
     }
 
 
-def webhook_url(run: Run) -> str:
-    return AlertWebhook.objects.filter(run=run).values_list("url", flat=True).first() or ""
+def webhook_body(run: Run) -> dict[str, Any]:
+    """A run's webhook setting as the API gives it: ``url`` its own ("" none), ``off`` whether it opted out,
+    ``experiment_url`` its experiment's default ("" none), ``effective`` where its transitions go ("" nowhere)."""
+    own = AlertWebhook.objects.filter(run=run).values("url", "off").first() or {"url": "", "off": False}
+    default = experiment_webhook_url(run.experiment_id)
+    return {**own, "experiment_url": default, "effective": webhook.target(own["url"], own["off"], default)}
+
+
+def experiment_webhook_url(experiment_id: int) -> str:
+    """An experiment's default webhook URL ("" none)."""
+    rows = ExperimentAlertWebhook.objects.filter(experiment_id=experiment_id).values_list("url", flat=True)
+    return rows.first() or ""

@@ -6,29 +6,24 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Max
 from django.utils import timezone
 
-from jobs import stream
+from jobs import run_events, stream
 from jobs.alerts import evaluate as alerts
-from jobs.models import RunEvent, RunRole
+from jobs.models import RunRole
+from jobs.run_events import PLATFORM_ROLE
 
-PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
+__all__ = ["PLATFORM_ROLE", "ROLE_RESTARTED", "record_event", "stream_role"]
+
 ROLE_RESTARTED = "role_restarted"  # jobs.lifecycle.apply._restart
 
 
 def record_event(run_id: int, kind: str, payload: dict[str, Any]) -> None:
-    """A platform event of the run (role launched, exited, restarted...): stored and streamed live."""
-    now = timezone.now()
+    """A platform event of the run (role launched, exited, restarted...): stored and streamed live
+    (jobs.run_events); a restart also feeds the restarts alert rule once it has committed."""
     with transaction.atomic():
-        last = RunEvent.objects.filter(run_id=run_id, attempt=0, role=PLATFORM_ROLE).aggregate(m=Max("seq"))["m"]
-        RunEvent.objects.create(
-            run_id=run_id, attempt=0, role=PLATFORM_ROLE, seq=(last or 0) + 1, kind=kind, payload=payload, time=now
-        )
-        stream.append(
-            run_id, "event", {"kind": kind, "payload": payload, "role": PLATFORM_ROLE, "time": now.timestamp()}
-        )
-        if kind == ROLE_RESTARTED:  # the restarts alert rule, once the restart has committed
+        run_events.record(run_id, kind, payload)
+        if kind == ROLE_RESTARTED:
             restarts = payload.get("restarts")
             transaction.on_commit(lambda: alerts.on_restart(run_id, restarts), robust=True)
 

@@ -1,5 +1,5 @@
-"""Fixtures of the alert tests: a RUNNING run of team A (tests/conftest.py), a run token's ingest client,
-logged-in API clients, and a post of reporter batches."""
+"""Fixtures of the alert tests: a RUNNING run of team A (tests/conftest.py), a run token's ingest client
+and a post of reporter batches."""
 
 from __future__ import annotations
 
@@ -22,19 +22,6 @@ def ingest(run):
         return reply.json()
 
     return post
-
-
-@pytest.fixture
-def api_as(db):
-    """api_as(user) -> a DRF APIClient logged in as ``user``."""
-    from rest_framework.test import APIClient
-
-    def make(user):
-        client = APIClient()
-        client.force_authenticate(user)
-        return client
-
-    return make
 
 
 @pytest.fixture

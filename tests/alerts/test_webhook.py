@@ -1,6 +1,7 @@
 """Webhook deliveries through a real Celery worker (Redis broker, in this process's thread) to a real local
-HTTP receiver: retried with backoff after a 500, a delivery that keeps failing recorded, a private address
-refused unless allowed, and ingest never held up by the webhook."""
+HTTP receiver: a run without a webhook of its own delivers to its experiment's default, retried with backoff
+after a 500, a delivery that keeps failing recorded, a private address refused unless allowed, and ingest
+never held up by the webhook."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import uuid
 import pytest
 
 from jobs.alerts import evaluate
-from jobs.models import AlertDelivery, AlertWebhook, RunEvent
+from jobs.models import AlertDelivery, AlertWebhook, ExperimentAlertWebhook, RunEvent
 from runtime import contract as M
 from tests.alerts.helpers import alert_events, batch
 from tests.http_stub import QuietHandler, StubServer, answer
@@ -101,6 +102,34 @@ def test_a_transition_is_delivered_after_a_500_with_retries(run, ingest, worker,
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_run_without_a_webhook_of_its_own_delivers_to_its_experiments_default(run, ingest, worker, receiver):
+    hook = receiver(200)
+    ExperimentAlertWebhook.objects.create(experiment=run.experiment, url=hook.url)
+    assert not AlertWebhook.objects.filter(run=run).exists()
+    ingest(batch([1], lambda s: {M.REWARD_MEAN: None}))
+    delivery = _settled(run)
+    assert (delivery.state, delivery.attempts, delivery.url) == ("delivered", 1, hook.url)
+    assert [(b["run"]["id"], b["rule"]["kind"], b["state"]) for b in hook.bodies] == [(run.pk, "non_finite", "firing")]
+
+
+def test_the_runs_own_webhook_wins_over_the_default_and_an_opted_out_run_delivers_nothing(
+    run, ingest, monkeypatch, django_capture_on_commit_callbacks
+):
+    sent = []
+    monkeypatch.setattr(evaluate, "send_delivery", sent.append)
+    ExperimentAlertWebhook.objects.create(experiment=run.experiment, url="https://hooks.example.com/exp")
+    own = AlertWebhook.objects.create(run=run, url="https://hooks.example.com/run")
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest(batch([1], lambda s: {M.REWARD_MEAN: None}))  # fires
+    assert list(AlertDelivery.objects.filter(run=run).values_list("url", flat=True)) == [own.url]
+    AlertWebhook.objects.filter(run=run).update(url="", off=True)
+    with django_capture_on_commit_callbacks(execute=True):
+        ingest(batch([2], lambda s: {M.REWARD_MEAN: 0.5}))  # resolves: the run opted out, no delivery
+    assert [p["state"] for _k, p in alert_events(run)] == ["firing", "resolved"]
+    assert AlertDelivery.objects.filter(run=run).count() == 1 and len(sent) == 1
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_delivery_that_keeps_failing_is_recorded(run, ingest, worker, receiver, settings):
     settings.TANDEM_ALERT_WEBHOOK_RETRIES = 2
     hook = receiver(500)
@@ -124,6 +153,59 @@ def test_a_private_address_is_refused_unless_allowed(run, ingest, worker, receiv
     assert (delivery.state, delivery.attempts) == ("failed", 1)  # refused: not retried
     assert "non-public address" in delivery.error
     assert hook.bodies == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_name_rebound_to_a_private_address_after_the_check_is_not_followed(
+    run, ingest, worker, receiver, settings, monkeypatch
+):
+    """DNS rebinding: the name resolves to a public address when checked and to the receiver on 127.0.0.1 when
+    a client would resolve it again to connect; the request goes to the checked address, never the receiver."""
+    import socket
+
+    settings.TANDEM_ALERT_WEBHOOK_ALLOW_PRIVATE = False
+    settings.TANDEM_ALERT_WEBHOOK_TIMEOUT_S = 1.0
+    settings.TANDEM_ALERT_WEBHOOK_RETRIES = 0
+    hook = receiver(200)
+    port = hook.stub.port
+    real = socket.getaddrinfo
+    answers = iter(["93.184.215.14"])  # public (is_global): passes the check once
+
+    def rebinding(host, *args, **kwargs):
+        if host != "hooks.rebind.test":
+            return real(host, *args, **kwargs)
+        address = next(answers, "127.0.0.1")
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    AlertWebhook.objects.create(run=run, url=f"http://hooks.rebind.test:{port}/hooks/tandem")
+    ingest(batch([1], lambda s: {M.REWARD_MEAN: None}))
+    delivery = _settled(run)
+    assert delivery.state == "failed" and "non-public" not in delivery.error  # checked, then unreachable
+    assert hook.bodies == []  # the rebound address was never called
+
+
+def test_the_checked_address_is_the_one_connected_to():
+    """With the pin the connection goes to the address given (the URL's host stays the Host header) and the
+    name is never resolved again; without it the name must resolve."""
+    from jobs.alerts import webhook
+
+    seen = {}
+
+    class Handler(QuietHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            seen["host"] = self.headers["Host"]
+            self.rfile.read(int(self.headers["Content-Length"]))
+            answer(self, 200, {"ok": True})
+
+    stub = StubServer(Handler)
+    try:
+        port = stub.port
+        assert webhook.post(f"http://unresolvable.invalid:{port}/x", {"a": 1}, address="127.0.0.1") is None
+        assert seen["host"] == f"unresolvable.invalid:{port}"
+        assert webhook.post(f"http://unresolvable.invalid:{port}/x", {"a": 1}) is not None  # no pin: no name
+    finally:
+        stub.stop()
 
 
 def test_a_broker_outage_never_fails_ingest(run, ingest, monkeypatch, django_capture_on_commit_callbacks):

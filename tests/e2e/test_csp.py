@@ -44,7 +44,7 @@ def _load(page, path: str, console: list[str]) -> tuple[str | None, list[str]]:
 
 
 def test_every_main_page_has_the_policy_and_no_violation(
-    server, login_as, in_thread, editor, superuser, experiment, submit
+    server, login_as, in_thread, editor, superuser, experiment, submit, shot
 ):
     run = in_thread(submit, experiment)
     pages = [
@@ -63,6 +63,8 @@ def test_every_main_page_has_the_policy_and_no_violation(
     for path in pages:
         header, violations = _load(page, path, console)
         assert (path, header, violations) == (path, CONTENT_SECURITY_POLICY, [])
+        if path == f"/runs/{run.pk}/":
+            shot(page, "csp-run-page", full=False)  # the run page as it renders under the policy
 
     staff = login_as(superuser)
     staff_console = _watch(staff)
@@ -80,7 +82,9 @@ def test_the_login_page_has_the_policy_and_no_violation(browser, server):
     context.close()
 
 
-def test_an_injected_inline_script_handler_and_style_are_refused_and_reported(server, login_as, editor, experiment):
+def test_an_injected_inline_script_handler_and_style_are_refused_and_reported(
+    server, login_as, editor, experiment, shot
+):
     page = login_as(editor)
     console = _watch(page)
     _load(page, "/", console)
@@ -90,10 +94,12 @@ def test_an_injected_inline_script_handler_and_style_are_refused_and_reported(se
             s.textContent = "window.__ran = true";
             document.body.append(s);
             document.body.insertAdjacentHTML("beforeend", '<img src="data:," onerror="window.__ran = true">');
-            document.body.insertAdjacentHTML("beforeend", '<p style="color: red">inline style</p>');
+            document.body.insertAdjacentHTML("beforeend", '<p id="injected" style="color: red">inline style</p>');
         }"""
     )
     page.wait_for_function("window.__csp.length >= 3")
+    shot(page, "csp-injected-refused", page.locator("#injected"))  # its text is not red: the style was refused
+    assert page.locator("#injected").evaluate("e => getComputedStyle(e).color") != "rgb(255, 0, 0)"
     assert page.evaluate("window.__ran === undefined")  # neither script ran
     assert sorted(v.split()[0] for v in page.evaluate("window.__csp")) == [
         "script-src-attr",

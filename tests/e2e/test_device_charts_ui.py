@@ -36,7 +36,9 @@ def _device_points(steps) -> dict:
     }
 
 
-def test_device_telemetry_is_charted_live_and_after_a_reload(server, login_as, in_thread, editor, experiment, submit):
+def test_device_telemetry_is_charted_live_and_after_a_reload(
+    server, login_as, in_thread, editor, experiment, submit, shot
+):
     run = in_thread(lambda: _running(submit(experiment)))
     token = in_thread(_token, run)
     page = login_as(editor)
@@ -55,3 +57,4 @@ def test_device_telemetry_is_charted_live_and_after_a_reload(server, login_as, i
     _wait_live(page)
     expect(page.locator(f"#charts-devices {UTIL}")).to_have_attribute("data-points", "3")
     expect(page.locator(f"#charts-devices {MEMORY}")).to_have_attribute("data-points", "6")
+    shot(page, "device-charts", page.locator("#charts-devices"))

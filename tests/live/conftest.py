@@ -26,19 +26,6 @@ def cookie_for(db):
 
 
 @pytest.fixture
-def api_as(db):
-    """api_as(user) -> a DRF APIClient logged in as ``user`` (session auth, CSRF not enforced)."""
-    from rest_framework.test import APIClient
-
-    def make(user):
-        client = APIClient()
-        client.force_authenticate(user)
-        return client
-
-    return make
-
-
-@pytest.fixture
 def checkpoint_root(tmp_path, settings):
     root = tmp_path / "ckpt-root"
     root.mkdir()

@@ -5,4 +5,4 @@ from __future__ import annotations
 
 from tests.api.conftest import api, as_user, mint_token  # noqa: F401
 from tests.ingest.conftest import client_for, ingest, other_run  # noqa: F401
-from tests.live.conftest import api_as, checkpoint_root, cookie_for, flush_layer  # noqa: F401
+from tests.live.conftest import checkpoint_root, cookie_for, flush_layer  # noqa: F401
