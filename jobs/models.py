@@ -512,13 +512,35 @@ class AlertRule(models.Model):
 
 
 class AlertWebhook(models.Model):
-    """Where a run's alert transitions are POSTed (jobs.alerts.webhook); no row: no webhook."""
+    """A run's own webhook setting (jobs.alerts.webhook.target): its transitions are POSTed to ``url``; ``off``
+    (url blank): to no webhook at all, not even the experiment's default. No row: the experiment's default."""
 
     run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="alert_webhook")
+    url = models.URLField(max_length=500, blank=True)
+    off = models.BooleanField(default=False, help_text="The run opted out: no webhook, not the experiment's either")
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=(Q(off=True) & Q(url="")) | (Q(off=False) & ~Q(url="")), name="alertwebhook_url_or_off"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} webhook {'off' if self.off else self.url}"
+
+
+class ExperimentAlertWebhook(models.Model):
+    """An experiment's default webhook: where the alert transitions of each of its runs without a webhook
+    setting of their own (AlertWebhook) are POSTed. No row: no default."""
+
+    experiment = models.OneToOneField(
+        Experiment, on_delete=models.CASCADE, primary_key=True, related_name="alert_webhook"
+    )
     url = models.URLField(max_length=500)
 
     def __str__(self) -> str:
-        return f"run {self.run_id} webhook {self.url}"
+        return f"experiment {self.experiment_id} default webhook {self.url}"
 
 
 class AlertDelivery(models.Model):

@@ -73,6 +73,7 @@ from rlplatform import shutdown
 from rlplatform.agent import AgentConfig, on_host_ready
 from rlplatform.models import Host
 from runtime.contract import (
+    ADAPTER_DIR,
     CHECKPOINT_DIR,
     ENV_ATTEMPT,
     ENV_HEARTBEAT_S,
@@ -151,10 +152,15 @@ def _role_spec(run: Run, role: RunRole) -> dict[str, Any]:
     if fork_from is not None and not (Path(role.workdir) / CHECKPOINT_DIR).exists():
         # A fork starts from the parent checkpoint's policy, under its own (edited) spec: an LLM from the
         # checkpoint's HF export, a gym learner from the checkpoint's networks.
+        # A LoRA fork of a LoRA run keeps its base and starts from the parent's adapters.
+        model = spec.get("model") or {}
+        adapter = fork_from / POLICY_DIR / ADAPTER_DIR
         if spec.get("workload") == "gym":
             spec["agent"] = {**spec.get("agent", {}), "init_path": str(fork_from)}
+        elif model.get("lora") is not None and adapter.is_dir():
+            spec["model"] = {**model, "lora": {**model["lora"], "init_path": str(adapter)}}
         else:
-            spec["model"] = {**spec.get("model", {}), "path": str(fork_from / POLICY_DIR)}
+            spec["model"] = {**model, "path": str(fork_from / POLICY_DIR)}
     return spec
 
 

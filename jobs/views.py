@@ -93,13 +93,19 @@ def experiment(request: HttpRequest, pk: int) -> HttpResponse:
     page = Paginator(runs, PAGE_SIZE).get_page(request.GET.get("page"))
     page.object_list = queue_order.annotate_positions(page.object_list)
     _attach_key_metrics(page.object_list)
+    firing = _firing_alerts(Run.objects.filter(experiment=exp))
+    can_edit = perms.can_edit(request.user, exp.team_id)
+    for run in page.object_list:  # the row's marker; it and the banner are kept live (frontend/js/runs_live.js)
+        run.alert_firing = any(a["run"] == run.pk for a in firing)
     context = {
         "experiment": exp,
         "page": page,
         "state": state,
         "states": [st.value for st in RunState],
-        "can_submit": perms.can_edit(request.user, exp.team_id),
-        "alerts": _firing_alerts(Run.objects.filter(experiment=exp)),
+        "can_submit": can_edit,
+        "alerts": firing,
+        # The runs' default alert webhook, shown to editors only as the run page shows a run's (experiment_alerts.js)
+        "alert_webhook": alert_rules.experiment_webhook_url(exp.pk) if can_edit else "",
     }
     return render(request, "jobs/experiment.html", context)
 
@@ -112,6 +118,7 @@ def _firing_alerts(runs) -> list[dict]:
 
 
 # The run page's chart groups: (group, [(chart title, [metric names])]); names are runtime.metrics'.
+COMMUNICATION_GROUP = ("Communication", [("Weight sync (s)", [m.TIME_WEIGHT_SYNC])])
 LLM_CHART_GROUPS = [
     (
         "Reward & accuracy",
@@ -152,6 +159,7 @@ LLM_CHART_GROUPS = [
             ("Time split (s)", [m.TIME_GENERATE, m.TIME_TRAIN, m.TIME_WEIGHT_SYNC, m.TIME_WAIT]),
         ],
     ),
+    COMMUNICATION_GROUP,  # + the per-rank gradient charts of a run with trainer ranks (communication_group)
     (
         "Consistency",
         [
@@ -233,9 +241,29 @@ def _workload(run: Run) -> str:
     return (run.resolved_spec or {}).get("workload", "llm")  # a resolved spec without the field is an LLM run's
 
 
+def _trainer_ranks(run: Run) -> int:
+    ranks = ((run.resolved_spec or {}).get("resources") or {}).get("trainer_devices", 1)
+    return ranks if isinstance(ranks, int) and not isinstance(ranks, bool) else 1
+
+
+def communication_group(run: Run) -> tuple[str, list]:
+    """The Communication group: weight sync, and with two or more trainer ranks each rank's gradient
+    communication (runtime.contract.COMM_METRICS), a series per rank, the ranks from the run's spec."""
+    title, charts = COMMUNICATION_GROUP
+    ranks = range(min(_trainer_ranks(run), m.COMM_MAX_RANKS))
+    if len(ranks) < 2:
+        return title, charts
+    return title, [
+        *charts,
+        ("Gradient communication per rank (s)", [m.comm_metric(r, m.COMM_GRAD) for r in ranks]),
+        ("Gradient wait per rank (s)", [m.comm_metric(r, m.COMM_GRAD_WAIT) for r in ranks]),
+    ]
+
+
 def chart_groups(run: Run) -> list:
     """The run page's chart groups for the run's workload."""
-    return CHART_GROUPS_BY_WORKLOAD[_workload(run)]
+    groups = CHART_GROUPS_BY_WORKLOAD[_workload(run)]
+    return [communication_group(run) if group is COMMUNICATION_GROUP else group for group in groups]
 
 
 def _checkpoint_row(c: CheckpointRecord) -> dict:
@@ -308,7 +336,8 @@ def run_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "stream_seq": _stream_seq(run),
         # The alert rules with their state, and the webhook (jobs.alerts; frontend/js/alerts.js).
         "alerts": [alert_rules.rule_body(r) for r in run.alert_rules.order_by("pk")],
-        "alert_webhook": alert_rules.webhook_url(run) if can_edit else "",
+        # its own URL, opt-out, the experiment's default, the effective one (jobs.alerts.rules.webhook_body)
+        "alert_webhook": alert_rules.webhook_body(run) if can_edit else None,
     }
     context = {
         "run": run,

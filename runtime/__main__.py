@@ -89,6 +89,19 @@ def _check_vllm_can_serve(spec: RunSpec) -> None:
         raise UsageError(f"rollout.kv_cache_gib: {problem}")
 
 
+def _check_lora(spec: RunSpec, algorithm: Any) -> None:
+    """LoRA with an algorithm that updates every weight itself, and targets the model does not have."""
+    from runtime.models.lora import check_targets
+    from runtime.workloads.llm.probe import _skeleton
+
+    if algorithm.needs_full_weights:
+        raise UsageError(
+            f"model.lora: algorithm {spec.algorithm.name} needs full weights (Algorithm.needs_full_weights); "
+            "train it without model.lora"
+        )
+    check_targets(_skeleton(spec.model, spec.resources.device), spec.model.lora)  # the meta-device tree
+
+
 def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
     """Check everything that can be checked cheaply before any work starts; returns the resume checkpoint."""
     from runtime.devices import resolve_device
@@ -111,7 +124,9 @@ def preflight(spec: RunSpec, resume: str | None = None) -> Path | None:
         resolve_device(spec.resources.device, n - 1)
     if spec.model.path:
         check_model_path(spec.model.path)
-    get_algorithm(spec.algorithm.name)
+    algorithm = get_algorithm(spec.algorithm.name)
+    if spec.model.lora is not None:
+        _check_lora(spec, algorithm)
     for field in ("path", "eval_path"):
         value = getattr(spec.task, field)
         if value and not Path(value).is_file():

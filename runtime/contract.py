@@ -128,6 +128,7 @@ EVENT_ROLLBACK = "rollback"  # payload set_aside: checkpoints moved under CHECKP
 CHECKPOINT_DIR = "checkpoints"
 REWOUND_DIR = "rewound"  # under CHECKPOINT_DIR: the checkpoints of a timeline a rollback abandoned
 POLICY_DIR = "policy"
+ADAPTER_DIR = "adapter"  # under POLICY_DIR: a LoRA run's PEFT adapter directory (runtime.models.lora)
 
 
 # --- metric names --------------------------------------------------------------------------------------
@@ -303,6 +304,47 @@ def split_device_metric(name: str) -> tuple[str, str, str] | None:
     if len(parts) != 3 or not all(parts) or parts[2] not in DEVICE_METRICS:
         return None
     return parts[0], parts[1], parts[2]
+
+
+# Gradient communication per trainer rank (runtime/train/parallel.py ``CommClock``): a series per rank and
+# field, named ``comm/rank<k>/<field>`` (k the trainer rank, 0 the leader), reported by trainer-0 with every
+# train step of a group of two or more ranks (one rank communicates nothing and reports none). Seconds,
+# summed over the step's reducing backwards (each policy and critic update). Wall time on CPU (gloo);
+# device time between events on an accelerator. Not in METRICS: the names depend on the run's ranks.
+# Only the first COMM_MAX_RANKS ranks report (a larger group would overflow a point).
+COMM_PREFIX = "comm/"
+COMM_MAX_RANKS = 128  # ranks >= this report none: a point holds MAX_METRICS_PER_POINT metrics at most
+COMM_GRAD = "grad_s"
+COMM_GRAD_WAIT = "grad_wait_s"
+
+COMM_METRICS: dict[str, str] = {
+    COMM_GRAD: "Seconds this rank had gradient communication in flight in this step (ddp: each bucket's all-reduce "
+    "from its issue to its completion, overlapping buckets counted once; fsdp: its reduce-scatters).",
+    COMM_GRAD_WAIT: "Seconds of it not hidden behind backward compute: a blocking collective's whole time (fsdp on "
+    "CPU), else per backward from the last collective's issue to the last one's completion.",
+}
+
+
+def comm_metric(rank: int, field: str) -> str:
+    """``comm/rank<k>/<field>``, the name of one trainer rank's communication series."""
+    if field not in COMM_METRICS:
+        raise ValueError(f"{field!r} is not a communication metric field ({', '.join(COMM_METRICS)})")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"a trainer rank is an integer >= 0, got {rank!r}")
+    return f"{COMM_PREFIX}rank{rank}/{field}"
+
+
+def split_comm_metric(name: str) -> tuple[int, str] | None:
+    """``(rank, field)`` of a communication series name, or None for any other metric."""
+    if not name.startswith(COMM_PREFIX):
+        return None
+    parts = name[len(COMM_PREFIX) :].split("/")
+    if len(parts) != 2 or parts[1] not in COMM_METRICS or not parts[0].startswith("rank"):
+        return None
+    digits = parts[0][len("rank") :]
+    if not digits.isascii() or not digits.isdigit() or (len(digits) > 1 and digits[0] == "0"):
+        return None
+    return int(digits), parts[1]
 
 
 # --- the ingest API --------------------------------------------------------------------------------------

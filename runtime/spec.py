@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -166,6 +167,32 @@ BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2", "medium-qwen2")
 BUILTIN_TASKS = ("reverse", "repeat", "arithmetic", "copy")
 
 
+# The projections of the Llama / Qwen2 decoder layer (the plain decoder's and transformers' names): LoRA's default
+# targets, every linear layer but the embedding and the head.
+VLLM_MAX_LORA_RANK = 512  # vLLM 0.30's largest max_lora_rank (vllm/config/lora.py, MaxLoRARanks)
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(_Section):
+    """LoRA adapters through peft: the base weights stay frozen, only the adapters train and sync."""
+
+    r: Int = Field(16, ge=1, le=4096, description="Adapter rank.")
+    alpha: Float = Field(32.0, gt=0, le=1e6, description="Scale numerator: the update is (alpha / r) * B A.")
+    dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] = Field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS),
+        min_length=1,
+        max_length=64,
+        description="Names of the linear modules that get adapters (a module matches when its name ends with "
+        "one); each must match at least one module of the model.",
+    )
+    init_path: str | None = Field(
+        None,
+        description="A PEFT adapter directory (a LoRA checkpoint's `policy/adapter`) the adapters start from, "
+        "on the same base model; a fork of a LoRA run sets it. Null: fresh adapters.",
+    )
+
+
 class ModelSpec(_Section):
     builtin: Literal["tiny-qwen2", "tiny-llama", "small-qwen2", "medium-qwen2"] | None = Field(
         "tiny-qwen2", description="Named built-in architecture, randomly initialised (ignored when `path` is set)."
@@ -187,7 +214,14 @@ class ModelSpec(_Section):
         description="transformers' attention (its default, sdpa, when unset); flash_attention_2 needs the "
         "flash_attn package. Setting it makes `auto` choose transformers for a model.path.",
     )
-    reference: Bool = Field(True, description="Keep a frozen copy of the initial policy for the KL penalty.")
+    reference: Bool = Field(
+        True,
+        description="Keep the initial policy as the KL penalty's reference: a frozen copy, or with `lora` the base "
+        "model itself with the adapters switched off (no copy).",
+    )
+    lora: LoraSpec | None = Field(
+        None, description="Train LoRA adapters instead of every weight (null: full fine-tuning)."
+    )
 
 
 # The dataset task's file formats, by file extension -> the `datasets` library's builder that reads it.
@@ -821,20 +855,40 @@ class RunSpec(_Section):
         return errors
 
     def _model_problems(self) -> list[dict[str, str]]:
-        """model.attn_implementation is transformers' knob: refused where the plain decoder runs."""
+        """model.attn_implementation is transformers' knob: refused where the plain decoder runs. LoRA targets
+        a built-in does not have (a model.path's are checked against the model at start)."""
         m = self.model
+        errors: list[dict[str, str]] = []
+        if self.workload == "llm" and m.lora is not None and self.rollout.engine == "vllm":
+            if m.lora.r > VLLM_MAX_LORA_RANK:
+                errors.append(
+                    {
+                        "field": "model.lora.r",
+                        "message": f"{m.lora.r} is above {VLLM_MAX_LORA_RANK}, the largest rank vLLM serves",
+                    }
+                )
+        if self.workload == "llm" and m.lora is not None and m.path is None:
+            for target in m.lora.target_modules:
+                if target not in LORA_DEFAULT_TARGETS:
+                    errors.append(
+                        {
+                            "field": "model.lora.target_modules",
+                            "message": f"{target!r} matches no linear layer of {m.builtin}; its decoder layers' "
+                            f"are {', '.join(LORA_DEFAULT_TARGETS)}",
+                        }
+                    )
         if self.workload != "llm" or m.attn_implementation is None:
-            return []
+            return errors
         if m.implementation == "plain" or (m.implementation == "auto" and m.path is None):
             runs = "model.implementation is plain" if m.implementation == "plain" else "a built-in runs plain"
-            return [
+            errors.append(
                 {
                     "field": "model.attn_implementation",
                     "message": f"{runs}, which has one attention (SDPA); set model.implementation: transformers "
                     "to choose transformers' attention",
                 }
-            ]
-        return []
+            )
+        return errors
 
     def _trainer_problems(self) -> list[dict[str, str]]:
         """Training strategy and precision combinations that cannot act as asked."""

@@ -60,7 +60,7 @@ def create_defaults(run: Run) -> None:
 
 
 def known_metric(name: str) -> bool:
-    return name in M.METRICS or M.split_device_metric(name) is not None
+    return name in M.METRICS or M.split_device_metric(name) is not None or M.split_comm_metric(name) is not None
 
 
 def non_finite_keys(metric: str, values: dict[str, Any]) -> list[str]:

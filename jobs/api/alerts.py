@@ -1,4 +1,5 @@
-"""REST for a run's alert rules and webhook (jobs.alerts), under ``/api/runs/{run_id}/alerts/``.
+"""REST for a run's alert rules and webhook (jobs.alerts), under ``/api/runs/{run_id}/alerts/`` (an
+experiment's default webhook is jobs.api.views.ExperimentViewSet's ``alerts/webhook/``).
 
 Thin, like jobs.api.live: the run must be one of the caller's teams' (another team's is a 404), writes need
 an editor (viewers get 403), bad input is a 400 naming the field (jobs.alerts.rules) and changes nothing.
@@ -33,7 +34,19 @@ class AlertRuleSerializer(serializers.Serializer):
 
 
 class WebhookSerializer(serializers.Serializer):
-    url = serializers.CharField(allow_blank=True, help_text="http(s) URL; blank: no webhook")
+    url = serializers.CharField(
+        allow_blank=True, required=False, help_text="The run's own http(s) URL; blank: none (the experiment's default)"
+    )
+    off = serializers.BooleanField(
+        required=False, help_text="true: no webhook at all, not even the experiment's default (url blank)"
+    )
+
+
+class WebhookStateSerializer(serializers.Serializer):
+    url = serializers.CharField(allow_blank=True, help_text="The run's own webhook URL; blank: none")
+    off = serializers.BooleanField(help_text="The run opted out: no webhook, not even the experiment's default")
+    experiment_url = serializers.CharField(allow_blank=True, help_text="The experiment's default; blank: none")
+    effective = serializers.CharField(allow_blank=True, help_text="Where its transitions are POSTed; blank: nowhere")
 
 
 _RULE_ID = [OpenApiParameter("id", int, OpenApiParameter.PATH, description="The rule's id")]
@@ -118,22 +131,22 @@ class RunAlertsViewSet(RunScopedMixin, viewsets.ViewSet):
             rule.delete()
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-    @extend_schema(methods=["GET"], responses={200: WebhookSerializer})
-    @extend_schema(methods=["PUT"], request=WebhookSerializer, responses={200: WebhookSerializer, **_WRITE_ERRORS})
+    @extend_schema(methods=["GET"], responses={200: WebhookStateSerializer})
+    @extend_schema(methods=["PUT"], request=WebhookSerializer, responses={200: WebhookStateSerializer, **_WRITE_ERRORS})
     @action(detail=False, methods=["get", "put"])
     def webhook(self, request, run_id=None):
-        """The run's webhook URL ("" none). PUT ``{"url": ...}`` sets it; "" removes it."""
+        """The run's webhook: its own URL, whether it opted out, its experiment's default and the one its
+        transitions go to. PUT ``{"url": ...}`` sets its own; ``{"url": ""}`` removes it (the experiment's
+        default applies); ``{"off": true}`` opts out (no webhook, not even the default)."""
         run = self.get_run()
         if request.method == "PUT":
             self.require_editor(run.experiment.team_id, "change alerts")
-            if not isinstance(request.data, dict) or "url" not in request.data:
-                raise InvalidInput.one("url", 'is required ("" removes the webhook)')
-            url = rules.clean_webhook_url(request.data["url"])
-            if url:
-                AlertWebhook.objects.update_or_create(run=run, defaults={"url": url})
+            url, off = rules.clean_run_webhook(request.data)
+            if url or off:
+                AlertWebhook.objects.update_or_create(run=run, defaults={"url": url, "off": off})
             else:
                 AlertWebhook.objects.filter(run=run).delete()
-        return Response({"url": rules.webhook_url(run)})
+        return Response(rules.webhook_body(run))
 
     @extend_schema(responses={200: _DELIVERIES})
     @action(detail=False, methods=["get"])

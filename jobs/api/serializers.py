@@ -84,6 +84,12 @@ class ExperimentSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class ExperimentWebhookSerializer(serializers.Serializer):
+    url = serializers.CharField(
+        allow_blank=True, help_text="http(s) URL of its runs' default alert webhook; blank: no default"
+    )
+
+
 class ExperimentCreateSerializer(StrictSerializer):
     name = serializers.CharField(help_text="Unique within the team: letters, digits, '.', '_', '-'")
     group = serializers.CharField(help_text="Resource group id or name (granted to the team)")

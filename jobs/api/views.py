@@ -24,8 +24,9 @@ from rest_framework.response import Response
 
 from capacity import InputError
 from jobs import errors, handler, longpoll, lookups, planning, start_estimate
+from jobs.alerts import rules as alert_rules
 from jobs.api import serializers as s
-from jobs.models import Experiment, Run
+from jobs.models import Experiment, ExperimentAlertWebhook, Run
 from jobs.states import RunState
 from rlplatform import permissions as perms
 from rlplatform.api import APIViewMixin, ErrorsSerializer
@@ -53,7 +54,7 @@ def _int_or_none(value) -> int | None:
 
 
 class ExperimentViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.ReadOnlyModelViewSet):
-    """Experiments of your teams. Editors and admins create them."""
+    """Experiments of your teams. Editors and admins create them and set their runs' default alert webhook."""
 
     serializer_class = s.ExperimentSerializer
 
@@ -83,6 +84,34 @@ class ExperimentViewSet(JobsAPIViewMixin, mixins.CreateModelMixin, viewsets.Read
             request.user, team, values["name"], group, quota=quota, description=values["description"]
         )
         return Response(s.ExperimentSerializer(experiment).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(methods=["GET"], responses={200: s.ExperimentWebhookSerializer})
+    @extend_schema(
+        methods=["PUT"],
+        request=s.ExperimentWebhookSerializer,
+        responses={
+            200: s.ExperimentWebhookSerializer,
+            400: ErrorsSerializer,
+            403: OpenApiResponse(description="Viewers cannot change the experiment's webhook"),
+        },
+    )
+    @action(detail=True, methods=["get", "put"], url_path="alerts/webhook")
+    def alert_webhook(self, request, pk=None):
+        """The default alert webhook of the experiment's runs ("" none): each run without a webhook setting
+        of its own (``/api/runs/{id}/alerts/webhook/``) POSTs its alert transitions here. PUT ``{"url": ...}``
+        sets it (an http(s) URL); "" removes it."""
+        experiment = self.get_object()
+        if request.method == "PUT":
+            _require(
+                perms.can_edit(request.user, experiment.team_id, self.token),
+                f"viewers of team {experiment.team.name} cannot change the experiment's webhook",
+            )
+            url = alert_rules.clean_experiment_webhook(request.data)
+            if url:
+                ExperimentAlertWebhook.objects.update_or_create(experiment=experiment, defaults={"url": url})
+            else:
+                ExperimentAlertWebhook.objects.filter(experiment=experiment).delete()
+        return Response({"url": alert_rules.experiment_webhook_url(experiment.pk)})
 
 
 # --- runs ---------------------------------------------------------------------------------------------

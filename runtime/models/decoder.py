@@ -317,11 +317,14 @@ class DecoderForCausalLM(_Checkpointable, nn.Module):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return CausalLMOutput(self.lm_head(hidden[:, keep, :]), out.cache)
 
-    def save_pretrained(self, directory: Any, safe_serialization: bool = True) -> None:
-        """An HF model directory (config.json, generation_config.json, model.safetensors)."""
+    def save_pretrained(
+        self, directory: Any, safe_serialization: bool = True, state_dict: dict[str, Tensor] | None = None
+    ) -> None:
+        """An HF model directory (config.json, generation_config.json, model.safetensors) of the model's
+        weights, or of ``state_dict`` (transformers' ``save_pretrained`` argument of that name)."""
         from runtime.models.hf_files import save_directory
 
-        save_directory(self, directory)
+        save_directory(self, directory, state_dict)
 
 
 @torch.no_grad()

@@ -29,8 +29,9 @@ GENERATION_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_directory(model: Any, directory: str | Path) -> Path:
-    """Write ``model`` (a ``DecoderForCausalLM``) into ``directory``; returns it."""
+def save_directory(model: Any, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``model`` (a ``DecoderForCausalLM``; its weights, or ``state_dict`` under its names) into
+    ``directory``; returns it."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -38,7 +39,7 @@ def save_directory(model: Any, directory: str | Path) -> Path:
     config = model.config.replace(dtype=str(model.dtype).removeprefix("torch."))
     _write_json(directory / CONFIG_FILE, config.to_dict())
     _write_json(directory / GENERATION_FILE, config.generation_dict())
-    state = model.state_dict()
+    state = dict(model.state_dict() if state_dict is None else state_dict)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(_unshared(state), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 
+from runtime.contract import ADAPTER_DIR
 from runtime.models.configs import DecoderConfig, builtin_config
 from runtime.models.decoder import DecoderForCausalLM
 from runtime.models.errors import ModelError
 from runtime.models.hf_files import WEIGHTS_FILE, plain_config, weight_files
 from runtime.models.implementation import choose_implementation
+from runtime.models.lora import apply_lora, is_lora, load_adapter, merged_state, save_adapter
 from runtime.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,13 +138,28 @@ def build_policy(model_spec: Any, device: torch.device | str, seed: int = 0) -> 
         raise ModelError(
             f"model.tokenizer: tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
         )
+    if model_spec.lora is not None:
+        with torch.random.fork_rng(devices=[]):  # every process draws the same initial adapters
+            torch.manual_seed(seed)
+            apply_lora(model, model_spec.lora)
+        if model_spec.lora.init_path:
+            load_adapter(model, model_spec.lora.init_path)
     return model.to(device), tokenizer
 
 
-def save_hf(model: Any, tokenizer: CharTokenizer | HFTokenizer, directory: str | Path) -> Path:
-    """Save ``model`` (safetensors + config) and ``tokenizer`` so transformers, vLLM and build_policy load it."""
+def save_hf(
+    model: Any, tokenizer: CharTokenizer | HFTokenizer, directory: str | Path, base_model: str | None = None
+) -> Path:
+    """Save ``model`` (safetensors + config) and ``tokenizer`` so transformers, vLLM and build_policy load it.
+
+    A model with LoRA adapters is saved merged (a plain model of the base architecture), and its adapters
+    beside it in ``adapter/`` as a PEFT adapter directory for ``base_model`` (the base it adapts)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    if is_lora(model):
+        model.save_pretrained(str(directory), safe_serialization=True, state_dict=merged_state(model))
+        save_adapter(model, directory / ADAPTER_DIR, base_model)
+    else:
+        model.save_pretrained(str(directory), safe_serialization=True)
     tokenizer.save(directory)
     return directory

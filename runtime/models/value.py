@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from runtime.models.logprobs import positions_from_mask
+from runtime.models.lora import is_adapter_key, is_lora
 
 
 class ValueModel(nn.Module):
@@ -24,9 +25,12 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: Any) -> ValueModel:
-        """A critic initialised from the policy's backbone (an independent copy; the policy is untouched)."""
+        """A critic initialised from the policy's backbone (an independent copy; the policy is untouched).
+        A LoRA policy's critic trains the copy's adapters and its head; the copied base stays frozen."""
         backbone = copy.deepcopy(policy.base_model)
-        backbone.requires_grad_(True)
+        lora = is_lora(policy)
+        for name, param in backbone.named_parameters():  # with LoRA the copied backbone trains its adapters
+            param.requires_grad_(not lora or is_adapter_key(name))
         return cls(backbone, policy.config.hidden_size)
 
     def forward(

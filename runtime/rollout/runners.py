@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.models.lora import is_lora, merged_weight
+
 FAST_MODEL_TYPES = ("llama", "qwen2")
 
 
@@ -51,12 +53,12 @@ class _Layer:
         self.ln1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.ln2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv_w = _joined([m.weight for m in projs])
+        self.qkv_w = _joined([_weight(m) for m in projs])
         self.qkv_b = _joined([m.bias for m in projs]) if projs[0].bias is not None else None
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w = _joined([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.o_w, self.o_b = _weight(attn.o_proj), attn.o_proj.bias
+        self.gate_up_w = _joined([_weight(mlp.gate_proj), _weight(mlp.up_proj)])
         self.gate_up_b = _joined([mlp.gate_proj.bias, mlp.up_proj.bias]) if mlp.gate_proj.bias is not None else None
-        self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
+        self.down_w, self.down_b = _weight(mlp.down_proj), mlp.down_proj.bias
         # The module call costs more than SiLU itself on small batches; call the function directly.
         self.act = F.silu if isinstance(mlp.act_fn, torch.nn.SiLU) else mlp.act_fn
 
@@ -79,6 +81,12 @@ class _Layer:
                 param = getattr(m, attr)
                 param.data = fused[start : start + param.shape[0]]
                 start += param.shape[0]
+
+
+def _weight(m: Any) -> torch.Tensor:
+    """A projection's weight as the engine multiplies by it: a LoRA layer's with its adapters merged in (a new
+    tensor each weight version: the base stays as it is), any other the parameter itself."""
+    return merged_weight(m) if hasattr(m, "lora_A") else m.weight
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -136,6 +144,9 @@ class FastRunner:
         self.model = model
         self.owns_model = owns_model
         self._aliased = False
+        # LoRA: each weight version's adapters are merged into the fused weights (one matmul per projection,
+        # as without adapters), so they are copies even in a module the engine owns: its base stays unmerged.
+        self.merges_adapters = is_lora(model)
         base = model.base_model
         attn = base.layers[0].self_attn
         cfg = model.config
@@ -189,7 +200,7 @@ class FastRunner:
         self.embed = base.embed_tokens.weight
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.lm_head = (self.model.lm_head.weight, self.model.lm_head.bias)
-        if not self.owns_model:
+        if not self.owns_model or self.merges_adapters:
             with torch.inference_mode():  # the fused copies must not be autograd tensors: that slows every matmul
                 self.layers = [_Layer(layer) for layer in base.layers]
             return

@@ -62,6 +62,10 @@ How it matches the built-in engine (:mod:`runtime.rollout.engine`):
   the runtime's ``resources.threads_per_process`` keeps acting. ``VLLM_CPU_OMP_THREADS_BIND`` and
   ``VLLM_CPU_KVCACHE_SPACE`` are refused in the environment: the first acts only in vLLM's multiprocess
   executor, the second would override the spec's KV cache size.
+- LoRA (``model.lora``): vLLM is started with ``enable_lora``; an update writes the adapters as a PEFT
+  adapter directory and registers it as that version's ``LoRARequest``, which new requests carry
+  (:mod:`runtime.rollout.vllm_lora`). The base weights never move. A request keeps its adapter to its end,
+  so its tokens carry the version it was admitted on, not the newest.
 - vLLM runs on the first device visible to its process (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES,
   which the runtime sets per process); one device per engine, no tensor parallelism yet.
 """
@@ -80,6 +84,7 @@ import torch
 from runtime.rollout.batcher import BatchStats
 from runtime.rollout.sampling import Completion, SamplingParams
 from runtime.rollout.vllm_batcher import VLLMBatcher
+from runtime.rollout.vllm_lora import VLLMAdapters, vllm_lora_rank
 from runtime.spec import VLLM_MAX_TEMPERATURE
 
 INSTALL_HINT = (
@@ -93,6 +98,8 @@ REFUSED_CPU_ENV = {
 }
 WORKER_EXTENSION = "runtime.rollout.vllm_worker.PolicyWeightLoader"
 LOAD_WEIGHTS = "load_policy_weights"  # the method WORKER_EXTENSION adds to every vLLM worker
+# LoRA: adapters (weight versions) one batch may mix; requests admitted before an update keep theirs
+MAX_LORAS = 4
 MAX_TEMPERATURE = VLLM_MAX_TEMPERATURE  # vLLM's SamplingParams refuses temperatures above 2 (the spec too)
 
 
@@ -127,6 +134,7 @@ class VLLMEngine:
         max_batch_size: int = 64,
         sleep_mode: bool = False,
         version: int = 0,
+        lora: Any = None,
     ):
         self.device = torch.device(device)
         if self.device.index not in (None, 0):
@@ -159,6 +167,8 @@ class VLLMEngine:
         memory: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization}
         if kv_cache_bytes is not None:  # vLLM then sizes the KV cache by it, not by the utilisation
             memory["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        if lora is not None:  # model.lora: each version's adapters are a LoRARequest (runtime.rollout.vllm_lora)
+            memory.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.r), max_loras=MAX_LORAS)
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (docstring)
         try:
             self.llm = vllm.LLM(
@@ -176,6 +186,7 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_num_threads
         self.dtype = _engine_dtype(self.llm)
+        self.adapters = VLLMAdapters(self.llm, lora, str(model_path)) if lora is not None else None
         self._lock = threading.Lock()
         self._stepping = False
         self._asleep = False
@@ -193,7 +204,11 @@ class VLLMEngine:
             self._apply(state_dict, version)
 
     def _apply(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
-        if state_dict is not None:
+        if state_dict is not None and self.adapters is not None:
+            started = time.perf_counter()
+            written = self.adapters.load(state_dict, version, self._adapters_in_use())
+            self.last_update = {"bytes": written, "seconds": time.perf_counter() - started}
+        elif state_dict is not None:
             started = time.perf_counter()
             moved = [0]
             self.llm.collective_rpc(LOAD_WEIGHTS, args=(_converted(state_dict, self.dtype, moved),))
@@ -202,6 +217,15 @@ class VLLMEngine:
             # no reuse across versions (module docstring).
             self.llm.reset_prefix_cache()
         self.version = version
+
+    @property
+    def lora_request(self) -> Any:
+        """The current version's ``LoRARequest`` for new requests (None: no LoRA, or version 0's zero update)."""
+        return None if self.adapters is None else self.adapters.current
+
+    def _adapters_in_use(self) -> set[int]:
+        owner = self._owner
+        return set() if owner is None else owner.adapter_versions()
 
     def _begin_step(self) -> None:
         with self._lock:

@@ -55,6 +55,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    adapter_version: int | None = None  # LoRA: the version whose adapter the request generates with
 
 
 class VLLMBatcher:
@@ -162,11 +163,15 @@ class VLLMBatcher:
         self.engine.claim(self)
         llm_engine = self.engine.llm.llm_engine
         salt = f"v{self.engine.version}"  # KV cached under one weight version never serves another
+        lora = self.engine.lora_request
+        pinned = self.engine.version if self.engine.adapters is not None else None
         for r in taken:
             r.request_id = f"tandem-{next(_request_ids)}"
+            r.adapter_version = pinned
             params = self.engine.sampling_params(self.params, r.max_new, r.seed)
             # vLLM's TokensPrompt; the internal id it returns is not needed (outputs carry ours)
-            llm_engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_ids, "cache_salt": salt}, params)
+            prompt = {"prompt_token_ids": r.prompt_ids, "cache_salt": salt}
+            llm_engine.add_request(r.request_id, prompt, params, lora_request=lora)
             self.engine.prompt_tokens += len(r.prompt_ids)
             self._live[r.request_id] = r
             self.admitted.append(r.tag)
@@ -184,7 +189,8 @@ class VLLMBatcher:
             tokens = list(seq.token_ids)
             r.tokens += tokens
             r.logprobs += [float(step[tok].logprob) for tok, step in zip(tokens, seq.logprobs or [], strict=True)]
-            r.versions += [version] * len(tokens)
+            # a LoRA request generates with its adapter's version to its end
+            r.versions += [version if r.adapter_version is None else r.adapter_version] * len(tokens)
             new_tokens += len(tokens)
         self._count(new_tokens, new_tokens)
         if not output.finished:
@@ -197,6 +203,10 @@ class VLLMBatcher:
         finished.append((r.tag, Completion(index, r.tokens, r.logprobs, r.versions, reason)))
         self.stats.completed += 1
         self.engine.stats.completed += 1
+
+    def adapter_versions(self) -> set[int]:
+        """The LoRA versions live requests generate with (their adapters must stay loaded)."""
+        return {r.adapter_version for r in self._live.values() if r.adapter_version is not None}
 
     def _count(self, real: int, generated: int) -> None:
         for stats in (self.stats, self.engine.stats):

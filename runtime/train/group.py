@@ -146,7 +146,7 @@ class TrainerGroup:
 
     def unsharded_policy(self) -> Any:
         if self.trainer.sharded:
-            self._send(("publish",))  # the same gather as a publication
+            self._send(("unsharded",))  # the whole model's gather (a LoRA publication gathers the adapters only)
         return self.trainer.unsharded_policy()
 
     def save_shards(self, directory: str | Path) -> None:
@@ -296,6 +296,9 @@ def follower_process(rank: int, world: int, init: str, spec_data: dict, threads:
                 trainer.load_state_dict(command[1], command[2])
             elif command[0] == "publish":
                 trainer.publish_state()  # the gather; rank 0 keeps the weights
+            elif command[0] == "unsharded":
+                with trainer.unsharded_policy():  # the gather; rank 0 exports the model
+                    pass
             elif command[0] == "save":
                 trainer.save_shards(command[1])
             elif command[0] == "score":

@@ -106,7 +106,8 @@ def run_sft(
     examples = [encode_example(tok, p) for p in task.train_prompts()]
 
     model.train()
-    optim = AdamW(model.parameters(), lr=lr, weight_decay=spec.trainer.weight_decay)
+    # with model.lora only the adapters require gradients, and only they get optimizer state
+    optim = AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=spec.trainer.weight_decay)
     warmup = max(1, min(50, steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: _lr_factor(s, steps, warmup))
     gen = torch.Generator().manual_seed(spec.seed)

@@ -52,6 +52,9 @@ from torch import Tensor
 from runtime import metrics as M
 from runtime.contract import (
     ACCURACY,
+    COMM_GRAD,
+    COMM_GRAD_WAIT,
+    COMM_MAX_RANKS,
     COMPUTED_TOKENS_RATIO,
     CONSISTENCY_DIFF_MAX,
     CONSISTENCY_DIFF_MEAN,
@@ -70,9 +73,11 @@ from runtime.contract import (
     STALENESS_MAX,
     STALENESS_MEAN,
     TRAIN_TOKENS_PER_S,
+    comm_metric,
 )
 from runtime.models.decoder import DecoderForCausalLM
 from runtime.models.logprobs import chunked_logprobs, logprobs_and_entropy, positions_from_mask
+from runtime.models.lora import adapter_state, adapters_disabled, is_lora
 from runtime.samples import Sample
 from runtime.train.algos.core import (
     aggregate_loss,
@@ -166,6 +171,14 @@ class Trainer:
         self.ref_policy = ref_policy if spec.algorithm.kl_coef > 0 else None
         if self.ref_policy is not None:
             self.ref_policy.requires_grad_(False)
+        # LoRA: only the adapters train, sync and go into checkpoints; the reference is the base model itself,
+        # the policy's own forward with its adapters switched off (runtime.models.lora).
+        self.lora = is_lora(policy)
+        if self.lora and self.algorithm.needs_full_weights:
+            raise TrainerError(f"model.lora: algorithm {self.algorithm.name} needs full weights; train it without lora")
+        self._ref_is_base = (
+            self.lora and self.ref_policy is None and spec.model.reference and spec.algorithm.kl_coef > 0
+        )
         self.group = process_group
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
@@ -235,6 +248,7 @@ class Trainer:
             self._update(samples, mini, token_advantages, pre, stats, step, measure_consistency=reuse and k == 0)
         self.version += 1
 
+        self._comm_stats(stats)
         out = stats.finish(self.group, self.world)
         out[LR] = out.pop("_lr", float(self.optimizer.param_groups[0]["lr"]))
         elapsed = time.perf_counter() - started
@@ -269,8 +283,10 @@ class Trainer:
 
     def publish_state(self) -> dict[str, Tensor]:
         """The policy's weights to publish: detached references, not copies (the weight service copies if it
-        must); with fsdp the full weights gathered onto rank 0's CPU (a collective; other ranks get {})."""
-        return self.parallel.full_state()
+        must); with fsdp the full weights gathered onto rank 0's CPU (a collective; other ranks get {}).
+        With LoRA only the adapters: every engine built from the spec holds the same frozen base."""
+        state = self.parallel.full_state(adapters_only=self.lora)
+        return adapter_state(state) if self.lora else state
 
     def unsharded_policy(self) -> contextlib.AbstractContextManager[torch.nn.Module | None]:
         """The policy as a plain module with all its weights, for an HF export (with fsdp a collective
@@ -296,9 +312,10 @@ class Trainer:
             if self.critic_scheduler is not None:
                 light["critic_scheduler"] = self.critic_scheduler.state_dict()
             return self._with_loss_scale(light)
+        policy = self.policy.state_dict()
         state: dict[str, Any] = {
             "version": self.version,
-            "policy": self.policy.state_dict(),
+            "policy": adapter_state(policy) if self.lora else policy,  # the frozen base is rebuilt from the spec
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
@@ -333,7 +350,7 @@ class Trainer:
             raise TrainerError(f"trainer state is missing {', '.join(missing)}")
         self._offloaded = None
         self.loss_scale.load_state_dict(state.get("loss_scale", {}))
-        self.policy.load_state_dict(state["policy"])
+        self._load_policy(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None and self.critic_optimizer is not None and self.critic_scheduler is not None:
@@ -341,6 +358,20 @@ class Trainer:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
             self.critic_scheduler.load_state_dict(state["critic_scheduler"])
         self.version = int(state["version"])
+
+    def _load_policy(self, policy: dict[str, Tensor]) -> None:
+        if not self.lora:
+            self.policy.load_state_dict(policy)
+            return
+        own = adapter_state(self.policy.state_dict())
+        if set(policy) != set(own):
+            extra = sorted(set(policy) - set(own))[:3]
+            missing = sorted(set(own) - set(policy))[:3]
+            raise TrainerError(
+                "model.lora: the checkpoint's policy does not hold this run's adapters "
+                f"(unexpected {extra}, missing {missing}); resume with the model.lora it was written with"
+            )
+        self.policy.load_state_dict(policy, strict=False)
 
     def _load_sharded(self, state: dict[str, Any], shards: str | Path | None) -> None:
         missing = [k for k in ("version", "scheduler") if k not in state]
@@ -508,7 +539,7 @@ class Trainer:
     ) -> dict[str, list]:
         """No-grad per-sample tensors: proximal log-probs, reference log-probs, critic values. Runs (and with
         fsdp joins the other ranks' collectives) even without samples."""
-        want_ref = ref and self.ref_policy is not None and not values
+        want_ref = ref and (self.ref_policy is not None or self._ref_is_base) and not values
         out: dict[str, list] = {}
         if not (proximal or want_ref or values):
             return out
@@ -527,13 +558,21 @@ class Trainer:
                     flat = (
                         self._token_logprobs(self.parallel.forward, mb, prefix_model=self.parallel.prefix_forward)
                         if key == "proximal"
-                        else self._token_logprobs(self.ref_policy, mb)
+                        else self._token_logprobs(self._reference_forward(), mb)
                     )
                 for i, t in zip(mb.indices, mb.split(flat.float().cpu()), strict=True):
                     out[key][i] = t
+        # A padding forward for each policy forward a micro-batch made (the base reference is one, too).
+        policy_forwards = sum(1 for k in keys if k == "proximal" or (k == "ref" and self._ref_is_base))
         for _ in range(count - len(plan)):
-            self._padding_forward(policy="proximal" in keys, critic="old_values" in keys)
+            self._padding_forward(policy=policy_forwards > 0, critic="old_values" in keys)
+            for _ in range(policy_forwards - 1):
+                self._padding_forward(policy=True, critic=False)
         return out
+
+    def _reference_forward(self) -> Callable[..., Any] | None:
+        """The KL reference's forward: the frozen copy, or the policy with its adapters switched off."""
+        return _AdaptersOff(self.parallel).forward if self._ref_is_base else self.ref_policy
 
     def _plan(self, samples: list[Sample], indices: list[int], shared_prefix: bool = True) -> MicroBatchPlan:
         """The micro-batches of ``indices``: shared-prefix where this trainer allows it and it saves tokens."""
@@ -645,6 +684,16 @@ class Trainer:
             )
         self.loss_scale.update()
 
+    def _comm_stats(self, stats: _Stats) -> None:
+        """This rank's gradient communication in the step (policy and critic), as sums only this rank adds
+        to: the step's reduction of the stats hands every rank's own to rank 0, reported as
+        ``comm/rank<k>/...`` (runtime.contract.COMM_METRICS; ranks from COMM_MAX_RANKS on report none). One
+        rank communicates nothing: no key."""
+        timed = [t for t in (m.comm_seconds() for m in self._parallel_models().values()) if t is not None]
+        if timed and self.rank < COMM_MAX_RANKS:
+            stats.add_sum(f"comm:{self.rank}:{COMM_GRAD}", sum(t[0] for t in timed))
+            stats.add_sum(f"comm:{self.rank}:{COMM_GRAD_WAIT}", sum(t[1] for t in timed))
+
     @contextlib.contextmanager
     def _accumulating(self, last: bool) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
@@ -727,6 +776,19 @@ class Trainer:
         return loss.detach().double().cpu()
 
 
+class _AdaptersOff:
+    """A LoRA policy's forward with its adapters switched off: the base model, the KL reference. ``module``
+    tells the layouts (runtime.train.batches) which model's keywords the forward takes."""
+
+    def __init__(self, parallel: ParallelModel):
+        self.parallel = parallel
+        self.module = parallel.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with adapters_disabled(self.module):
+            return self.parallel.forward(*args, **kwargs)
+
+
 class _Stats:
     """Sums and maxima gathered during a step, reduced across ranks once at the end."""
 
@@ -784,6 +846,9 @@ class _Stats:
         for key, value in sums.items():
             if key.startswith("tok:"):
                 out[key[4:]] = value / tok
+            elif key.startswith("comm:"):  # comm:<rank>:<field>, added by that rank alone (Trainer._comm_stats)
+                _, rank, field = key.split(":")
+                out[comm_metric(int(rank), field)] = value
         if sums.get("cons_n", 0.0) > 0:
             out[CONSISTENCY_DIFF_MEAN] = sums["cons_diff"] / sums["cons_n"]
             out[CONSISTENCY_KL] = sums["cons_kl"] / sums["cons_n"]

@@ -155,7 +155,8 @@ def test_the_experiment_page_shows_its_default_webhook_to_editors_only(experimen
     client.force_login(editor)
     page = client.get(f"/experiments/{experiment.pk}/").content.decode()
     assert (
-        'id="experiment-webhook-url" type="url" size="48" placeholder="https://..." value="https://hooks.example.com/exp"' in page
+        'id="experiment-webhook-url" type="url" size="48" placeholder="https://..." value="https://hooks.example.com/exp"'
+        in page
     )
     assert "js/experiment_alerts.js" in page
     client.force_login(viewer)

@@ -71,6 +71,8 @@ ENDPOINTS = [
     ("get", "/api/runs/1/alerts/webhook/"),
     ("put", "/api/runs/1/alerts/webhook/"),
     ("get", "/api/runs/1/alerts/deliveries/"),
+    ("get", "/api/experiments/1/alerts/webhook/"),
+    ("put", "/api/experiments/1/alerts/webhook/"),
 ]
 
 
@@ -78,7 +80,7 @@ def test_the_endpoint_list_covers_every_route_of_the_user_api():
     from rlplatform.urls import router
 
     routes = {str(pattern.pattern) for pattern in router.urls}
-    assert len(routes) == 38
+    assert len(routes) == 39
     listed = [path.lstrip("/") for _m, path in ENDPOINTS]
     for route in routes:
         regex = re.compile(route.replace("^", "^api/"))

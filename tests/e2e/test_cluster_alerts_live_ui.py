@@ -128,9 +128,12 @@ def test_the_runs_page_banner_and_row_marker_follow_an_alert_firing_and_resolvin
 
 
 def test_an_editor_sets_the_experiments_default_webhook_on_its_page(
-    server, login_as, in_thread, editor, experiment, shot
+    server, login_as, in_thread, editor, experiment, submit, shot
 ):
     from jobs.alerts.rules import experiment_webhook_url
+    from jobs.models import AlertWebhook
+
+    run = in_thread(_running, submit, experiment)
 
     page = login_as(editor)
     page.goto(f"/experiments/{experiment.pk}/")
@@ -153,3 +156,15 @@ def test_an_editor_sets_the_experiments_default_webhook_on_its_page(
     shot(page, "experiment-default-webhook", part=page.locator("main .card").first)
     page.reload()
     expect(url).to_have_value("https://hooks.example.com/tandem")
+
+    # And on a run of the experiment without a webhook of its own: the default applies, until the run opts out
+    page.goto(f"/runs/{run.pk}/")
+    own = page.locator("#alert-webhook")
+    note = page.locator("#alert-webhook-effective")
+    expect(own).to_have_value("")
+    expect(own).to_have_attribute("placeholder", "experiment default: https://hooks.example.com/tandem")
+    expect(note).to_have_text("alerts go to the experiment's default webhook")
+    page.locator("#alert-webhook-off").check()
+    page.locator("#alert-webhook-save").click()
+    expect(note).to_have_text("alerts go to no webhook")
+    assert in_thread(lambda: list(AlertWebhook.objects.filter(run=run).values_list("off", flat=True))) == [True]

@@ -40,6 +40,7 @@ def test_run_page_embeds_what_its_script_needs(client, editor, viewer, experimen
         "Losses",
         "Pipeline",
         "Throughput & time split",
+        "Communication",
         "Consistency",
     ]
     assert 'data-keys="reward/mean,reward/std"' in html and 'data-command="pause"' in html

@@ -214,6 +214,7 @@ def test_run_page_sections_have_links_and_remember_being_folded(
         "#charts-losses",
         "#charts-pipeline",
         "#charts-throughput-time-split",
+        "#charts-communication",
         "#charts-consistency",
         "#section-roles",
         "#section-events",

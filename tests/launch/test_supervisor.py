@@ -219,6 +219,28 @@ def test_a_fork_starts_from_its_parent_checkpoints_policy_and_never_outside_the_
     assert supervisor._role_spec(run, role)["model"].get("path") == own
 
 
+def test_a_lora_fork_of_a_lora_run_keeps_its_base_and_starts_from_the_parents_adapters(
+    stand_in, admitted_role, settings
+):
+    run, role = admitted_role
+    # another run's checkpoint: creating it must not create this run's own checkpoints directory
+    parent = Path(settings.TANDEM_CHECKPOINT_ROOT) / f"run-{run.pk + 1}" / "checkpoints" / "step-00000004"
+    run.resolved_spec = {**run.resolved_spec, "model": {"builtin": "tiny-qwen2", "lora": {"r": 4}}}
+    run.parent_checkpoint = str(parent)
+    run.save(update_fields=["resolved_spec", "parent_checkpoint"])
+    # a parent trained in full: the fork's adapters start fresh on the parent's policy
+    assert supervisor._role_spec(run, role)["model"] == {
+        "builtin": "tiny-qwen2",
+        "lora": {"r": 4},
+        "path": str(parent / "policy"),
+    }
+    (parent / "policy" / "adapter").mkdir(parents=True)  # a LoRA parent exports its adapters beside the merge
+    assert supervisor._role_spec(run, role)["model"] == {
+        "builtin": "tiny-qwen2",
+        "lora": {"r": 4, "init_path": str(parent / "policy" / "adapter")},
+    }
+
+
 def test_a_gym_fork_starts_its_learner_from_the_parent_checkpoints_networks(stand_in, admitted_role, settings):
     run, role = admitted_role
     parent = Path(settings.TANDEM_CHECKPOINT_ROOT) / "run-1" / "checkpoints" / "step-00000004"

@@ -176,10 +176,10 @@ def test_make_demo_ends_within_15_s_of_ctrl_c_and_leaves_nothing_running(tmp_pat
         "PORT": str(_free_port()),
         "VENV": str(Path(sys.executable).parents[1]),
     }
-    # A warm start of one step (the demo's own takes 35 and about a minute): demo.sh uses it and goes on
-    # to submit the demo run, which the worker launches.
+    # A warm start of one step where demo.sh looks for its own (30 steps, under a minute): demo.sh uses it
+    # and goes on to submit the demo run, which the worker launches.
     warm_start = [sys.executable, "-m", "runtime", "sft", "examples/grpo-async.yaml", "--steps", "1"]
-    warm_start += ["--out", str(var / "models" / "demo-sft"), "task.train_size=64", "task.eval_size=8"]
+    warm_start += ["--out", str(var / "models" / "demo-sft-30"), "task.train_size=64", "task.eval_size=8"]
     done = subprocess.run(warm_start, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -121,6 +121,21 @@ def test_a_model_directory_without_weights_exits_2_naming_it(tmp_path, model_dir
 
 
 @pytest.mark.parametrize(
+    ("lora", "problem"),
+    [
+        ({"r": 4, "target_modules": ["q_proj", "qkv_proj"]}, "model.lora.target_modules: 'qkv_proj' matches no"),
+        ({"r": 4, "init_path": "/no/adapter"}, "model.lora.init_path: /no/adapter is not a PEFT adapter"),
+    ],
+)
+def test_lora_that_does_not_fit_the_model_directory_exits_2_naming_the_field(tmp_path, model_dir, lora, problem):
+    spec = _spec_file(tmp_path, model={"path": str(model_dir), "lora": lora})
+    proc = _run("run", str(spec))
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr
+    [line] = _error_lines(proc)
+    assert line.startswith(f"error: {problem}"), line
+
+
+@pytest.mark.parametrize(
     ("file", "content"),
     [
         ("char_tokenizer.json", '{"type": "char", "chars": '),  # cut short

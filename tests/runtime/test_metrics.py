@@ -50,6 +50,23 @@ def test_metric_names_are_exactly_the_contract_ones_with_meanings():
     assert constants == set(METRICS)  # each name has its constant
 
 
+def test_per_rank_communication_names_round_trip_and_stay_out_of_metrics():
+    # trainer ranks' gradient communication (runtime.train.parallel.CommClock): comm/rank<k>/<field>
+    assert sorted(contract.COMM_METRICS) == ["grad_s", "grad_wait_s"]
+    assert all(v.endswith(".") and "\n" not in v for v in contract.COMM_METRICS.values())
+    assert contract.comm_metric(3, contract.COMM_GRAD) == "comm/rank3/grad_s"
+    assert contract.split_comm_metric("comm/rank12/grad_wait_s") == (12, "grad_wait_s")
+    for other in ("comm/rank1/nonsense", "comm/rank/grad_s", "comm/rank01/grad_s", "comm/0/grad_s", "reward/mean"):
+        assert contract.split_comm_metric(other) is None, other
+    with pytest.raises(ValueError):
+        contract.comm_metric(0, "watts")
+    with pytest.raises(ValueError):
+        contract.comm_metric(-1, contract.COMM_GRAD)
+    assert not [name for name in METRICS if name.startswith(contract.COMM_PREFIX)]
+    # every rank's fields fit one ingest point beside the step's other metrics
+    assert 2 * contract.COMM_MAX_RANKS + len(METRICS) <= contract.MAX_METRICS_PER_POINT
+
+
 # ---------------------------------------------------------------- JSONL
 
 

@@ -290,7 +290,13 @@ def test_a_fork_from_another_teams_checkpoint_is_refused(owner, experiment, thei
 
 
 def test_every_path_field_of_the_spec_is_confined():
-    assert confinement.SPEC_PATH_FIELDS == ("model.path", "task.path", "task.eval_path", "agent.init_path")
+    assert confinement.SPEC_PATH_FIELDS == (
+        "model.path",
+        "model.lora.init_path",
+        "task.path",
+        "task.eval_path",
+        "agent.init_path",
+    )
 
 
 def test_an_admin_sets_a_teams_data_roots_absolute_only_and_audited(team_a, superuser, client):

@@ -1,6 +1,6 @@
 """Submit the demo RL run as the demo user (after ``demo_setup``): idempotent by submission id.
 
-    python manage.py demo_submit examples/demo.yaml model.path=$PWD/var/models/demo-sft
+    python manage.py demo_submit examples/demo.yaml model.path=$PWD/var/models/demo-sft-30
 
 Prints the run's page URL. Running it again returns the run it submitted before.
 """

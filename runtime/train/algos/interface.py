@@ -62,7 +62,7 @@ class Algorithm:
 
     ``advantages``: ``group`` (GRPO group-normalised outcome advantages) or
     ``gae`` (needs a critic; PPO). ``needs_critic`` makes the trainer require
-    and train a value model.
+    and train a value model. ``needs_full_weights`` refuses it with ``model.lora``.
     """
 
     name: str
@@ -70,6 +70,9 @@ class Algorithm:
     update_fn: UpdateFn
     advantages: Literal["group", "gae"] = "group"
     needs_critic: bool = False
+    # An update step that reads or writes every weight (not only those that require gradients): refused
+    # with model.lora, whose base weights are frozen and never synced.
+    needs_full_weights: bool = False
 
 
 def adamw_update(ctx: UpdateContext) -> dict[str, float]:

@@ -318,11 +318,13 @@ def build_instance(rank: int, spec: Any, device: torch.device, sub: Any, conn: A
 def engine_on_shared_weights(spec: Any, device: torch.device, shared: Any | None, rank: int) -> Engine | None:
     """An engine whose parameters are ``shared``'s tensors (runtime.weights.service.SharedWeights), built without
     building or loading a model (the module tree on the meta device, bound to them); None where it cannot read
-    them in place: an accelerator (its weights live on the device), vLLM, no reader slot for ``rank``, a buffer
+    them in place: an accelerator (its weights live on the device), vLLM, LoRA, no reader slot for ``rank``, a buffer
     in another dtype than ``model.dtype``, or ``TANDEM_SHARED_WEIGHTS=copy``."""
     if shared_weights_mode() == "copy" or shared is None or rank >= shared.reader_slots:
         return None
     if device.type != "cpu" or spec.rollout.engine != "builtin":
+        return None
+    if spec.model.lora is not None:  # the buffer holds adapters only: the engine copies them onto its own base
         return None
     policy = PublishedPolicy(spec.model, device)
     model = policy.bind(shared.tensors)

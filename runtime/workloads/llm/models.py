@@ -29,7 +29,8 @@ def build_models(spec: RunSpec, device: torch.device) -> Models:
 
     policy, tokenizer = build_policy(spec.model, device, seed=spec.seed)
     ref = None
-    if spec.model.reference and spec.algorithm.kl_coef > 0:
+    # with LoRA the reference is the policy with its adapters off (Trainer): no copy
+    if spec.model.reference and spec.algorithm.kl_coef > 0 and spec.model.lora is None:
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
     critic = None
     if get_algorithm(spec.algorithm.name).needs_critic:
@@ -68,6 +69,7 @@ def build_engine(
             kv_cache_bytes=vllm_kv_cache_bytes(spec),
             max_batch_size=r.max_batch_size,
             sleep_mode=colocated and device.type != "cpu",
+            lora=spec.model.lora,
         )
     owns_model = model is None
     if model is None:

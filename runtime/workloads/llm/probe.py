@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from runtime.models.lora import is_adapter_key
 from runtime.samples import Sample
 from runtime.spec import RunSpec
 
@@ -26,28 +27,44 @@ class PublishedPolicy:
     written; they stay alive while bound even when the service drops their version (reference counts).
     """
 
-    def __init__(self, model_spec: Any, device: torch.device | str):
+    def __init__(self, model_spec: Any, device: torch.device | str, seed: int = 0):
         self.device = torch.device(device)
+        # With LoRA a version is its adapters: they are copied into a model of its own holding the frozen base
+        # (built as the trainer built it, from ``seed``), a copy of the base rather than of every version.
+        self.lora = model_spec.lora is not None
+        self._empty: State
+        if self.lora:
+            from runtime.models import build_policy
+
+            self.model = build_policy(model_spec, self.device, seed=seed)[0].eval().requires_grad_(False)
+            self._empty = {k: v for k, v in self.model.state_dict().items() if is_adapter_key(k)}
+            return
         model = _skeleton(model_spec, self.device.type)
         _materialise_buffers(model, self.device)
         self.model = model.eval().requires_grad_(False)
-        self._empty: State = dict(model.state_dict())  # meta tensors: what release() binds back
+        self._empty = dict(model.state_dict())  # meta tensors: what release() binds back
 
     def bind(self, state: State) -> Any:
-        """Make ``state``'s tensors the model's parameters; returns the model."""
+        """Make ``state``'s tensors the model's parameters (with LoRA: copy its adapters in); returns the model."""
         missing, unknown = sorted(set(self._empty) - set(state)), sorted(set(state) - set(self._empty))
         if missing or unknown:
             raise ValueError(
                 f"published weights do not fit model.builtin/model.path: missing {missing[:5]}, unknown {unknown[:5]}"
             )
+        if self.lora:
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    self._empty[name].copy_(tensor)
+            return self.model
         # .to() returns the tensor itself when device and dtype already match: no copy
         tensors = {k: state[k].to(device=self.device, dtype=meta.dtype) for k, meta in self._empty.items()}
         self.model.load_state_dict(tensors, assign=True)
         return self.model
 
     def release(self) -> None:
-        """Let go of the bound tensors (the parameters are storage-less again)."""
-        self.model.load_state_dict(self._empty, assign=True)
+        """Let go of the bound tensors (the parameters are storage-less again; LoRA's copies stay)."""
+        if not self.lora:
+            self.model.load_state_dict(self._empty, assign=True)
 
     @contextmanager
     def bound(self, state: State) -> Iterator[Any]:
@@ -122,7 +139,7 @@ class ConsistencyProbe:
     """
 
     def __init__(self, spec: RunSpec, device: torch.device, max_samples: int):
-        self.policy = PublishedPolicy(spec.model, device)
+        self.policy = PublishedPolicy(spec.model, device, seed=spec.seed)
         self.device = self.policy.device
         self.max_samples = max_samples
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0

@@ -49,7 +49,7 @@ class LLMWorkload:
         return PromptSource(task.train_prompts())
 
     def export_policy(self, models: Models, directory: Path) -> None:
-        save_hf(models.policy, models.tokenizer, directory)
+        save_hf(models.policy, models.tokenizer, directory)  # with LoRA: merged, and the adapter beside it
 
     def consistency_probe(self, spec: RunSpec, device: torch.device, max_samples: int) -> ConsistencyProbe:
         return ConsistencyProbe(spec, device, max_samples=max_samples)
@@ -97,7 +97,7 @@ class LLMWorkload:
         tokenizer = None if models is None else models.tokenizer  # the trainer's process: its tokenizer
         if models is not None and spec.rollout.engine == "builtin" and torch.device(device) == KEPT_ON:
             # beside the weight service's kept versions: read the version handed in place, no policy copy
-            policy = PublishedPolicy(spec.model, device)
+            policy = PublishedPolicy(spec.model, device, seed=spec.seed)
             return BoundEngine(build_engine(policy.model, tokenizer, device, spec), policy.bind)
         return build_engine(None, tokenizer, device, spec)  # a device of its own: the engine's weights are its own
 

@@ -59,6 +59,11 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path):
     steps_two, _ = read_jsonl(tmp_path / "two" / "metrics.jsonl")
     for key in ("reward/mean", "response_len/mean", "loss/policy", "grad_norm"):  # global over the ranks
         assert steps_two[0][key] == pytest.approx(steps_one[0][key], rel=1e-4, abs=1e-6), key
+    # every rank's gradient all-reduce time, reported by the leader; one rank communicates nothing
+    comm = [f"comm/rank{r}/{field}" for r in range(2) for field in ("grad_s", "grad_wait_s")]
+    assert all(key in step and step[key] >= 0 for step in steps_two for key in comm)
+    assert all(step[f"comm/rank{r}/grad_s"] > 0 for step in steps_two for r in range(2))
+    assert not [key for step in steps_one for key in step if key.startswith("comm/")]
 
 
 @pytest.mark.slow

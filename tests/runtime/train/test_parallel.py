@@ -4,15 +4,27 @@ recomputes layers without changing the update."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from runtime.contract import GRAD_NORM, LOSS_POLICY, PACKED_SHARE
+from runtime.contract import (
+    COMM_GRAD,
+    COMM_GRAD_WAIT,
+    COMM_METRICS,
+    COMM_PREFIX,
+    GRAD_NORM,
+    LOSS_POLICY,
+    PACKED_SHARE,
+    comm_metric,
+    split_comm_metric,
+)
 from runtime.train.batches import make_micro_batches
-from runtime.train.parallel import decoder_layers, training_state_bytes
+from runtime.train.parallel import CommClock, decoder_layers, training_state_bytes
 from runtime.train.trainer import Trainer
 from tests.runtime.train.test_trainer import _free_port, _policy, _samples, _spec
 
@@ -182,3 +194,64 @@ def test_gradient_checkpointing_checkpoints_every_layer_and_gives_the_same_updat
 
 def test_the_hand_written_gradient_all_reduce_is_gone():
     assert not hasattr(Trainer, "_all_reduce_grads")
+
+
+# ---------------------------------------------------------------- gradient communication per rank
+
+
+def _comm_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    try:
+        results = {}
+        for strategy in ("ddp", "fsdp"):
+            policy, tok = _policy()
+            spec = _spec(*TWO_RANKS, "trainer.updates_per_step=2", f"trainer.strategy={strategy}")
+            trainer = Trainer(spec, policy, tok, "cpu", process_group=dist.group.WORLD)
+            results[strategy] = [trainer.train_step(_uneven_shard(step, rank), step) for step in range(2)]
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_reports_its_gradient_communication_time_under_ddp_and_fsdp(tmp_path):
+    mp.spawn(_comm_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for strategy in ("ddp", "fsdp"):
+        for step, metrics in enumerate(ranks[0][strategy]):
+            comm = {k: v for k, v in metrics.items() if k.startswith(COMM_PREFIX)}
+            assert set(comm) == {comm_metric(r, f) for r in range(2) for f in COMM_METRICS}, (strategy, step)
+            for r in range(2):
+                in_flight, waited = comm[comm_metric(r, COMM_GRAD)], comm[comm_metric(r, COMM_GRAD_WAIT)]
+                assert math.isfinite(in_flight) and in_flight > 0, (strategy, step, r)
+                assert math.isfinite(waited) and 0 <= waited <= in_flight + 1e-9, (strategy, step, r)
+            # the step's reduction gives every rank all of them
+            assert {k: ranks[1][strategy][step][k] for k in comm} == comm
+            assert all(split_comm_metric(k) is not None for k in comm)
+
+
+def test_a_single_rank_reports_no_communication():
+    policy, tok = _policy()
+    trainer = Trainer(_spec("trainer.micro_batch_tokens=48"), policy, tok, "cpu")
+    metrics = trainer.train_step(_uneven_shard(0, 0), 0)
+    assert not [k for k in metrics if k.startswith(COMM_PREFIX)]
+
+
+def test_the_comm_clock_counts_overlapping_spans_once_and_waits_from_the_last_issue():
+    clock = CommClock(torch.device("cpu"))
+    clock.mark = iter([0.0, 1.0, 3.0, 4.0, 3.5, 10.0, 10.0, 12.0]).__next__  # type: ignore[method-assign]
+    clock.begin()
+    a = clock.start()  # 0.0
+    b = clock.start()  # 1.0
+    clock.stop(a)  # 3.0: a is [0, 3]
+    c = clock.start()  # 4.0
+    clock.stop(b)  # 3.5: b is [1, 3.5]
+    clock.stop(c)  # 10.0: c is [4, 10]
+    clock.begin()
+    d = clock.start(blocking=True)  # 10.0
+    clock.stop(d)  # 12.0
+    in_flight, waited = clock.take()  # type: ignore[misc]
+    assert in_flight == pytest.approx(3.5 + 6.0 + 2.0)  # [0, 3.5] and [4, 10], then [10, 12]
+    assert waited == pytest.approx((10.0 - 4.0) + 2.0)  # last issue to last completion; a blocking span whole
+    assert clock.take() is None  # taken once
