@@ -1,4 +1,5 @@
-"""LoRA against full fine-tuning at the same size (``model.lora``, r=16 on every projection by default).
+"""LoRA against full fine-tuning at the same size (``model.lora``, r=16): ``lora`` on the default targets
+(q_proj and v_proj, peft's default for Llama / Qwen2), ``lora-all`` on all seven projections.
 
 Three parts, each side by side in one run:
 
@@ -6,13 +7,14 @@ Three parts, each side by side in one run:
    of parameters that train, their gradients and the optimizer's state, read from the real tensors at the
    optimizer step (``runtime.train.parallel.training_state_bytes``); the bytes the trainer publishes per
    step (``Trainer.publish_state``) and the time an engine of its own takes to load them
-   (``Engine.update_weights``, median of rounds alternating full / LoRA); the train step's median time.
+   (``Engine.update_weights``, median of rounds in rotating order, ``harness.interleaved``); the train step's median time.
 2. **Peak memory, measured**: each configuration trains the same steps in a fresh process of its own, which
    resets its peak resident set after its imports (Linux ``clear_refs``) and reports the peak over building
    the model and training (``VmHWM``) less the resident set before: what the model and training added.
 3. **Learning under the same budget**: from one SFT warm start, a sync GRPO run of the same steps and
    samples per configuration (each at its own learning rate: LoRA's usual 10x), then held-out greedy
-   accuracy, with its binomial standard error, and samples/s from the run's own metrics.
+   accuracy, with its binomial standard error, and samples/s over the whole run (start-up and evaluations
+   included).
 
     .venv/bin/python bench/lora.py --quick      # tiny-qwen2, a few steps (< 1 min)
     .venv/bin/python bench/lora.py              # medium-qwen2 (12.6 M parameters)
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from harness import interleaved  # noqa: E402
 
 from runtime.models import build_policy  # noqa: E402
 from runtime.rollout.engine import Engine  # noqa: E402
@@ -45,13 +48,21 @@ from runtime.spec import load_spec  # noqa: E402
 from runtime.train.parallel import training_state_bytes  # noqa: E402
 from runtime.train.trainer import Trainer  # noqa: E402
 
-CONFIGS = ("full", "lora")
+CONFIGS = ("full", "lora", "lora-all")
+LORA_CONFIGS = {
+    "lora": {"r": 16, "alpha": 32.0},  # the default targets
+    "lora-all": {
+        "r": 16,
+        "alpha": 32.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    },
+}
 
 
 def _spec(model: str, config: str, lr: float, **sections):
     data = {
         "seed": 0,
-        "model": {"builtin": model, **({"lora": {"r": 16, "alpha": 32.0}} if config == "lora" else {})},
+        "model": {"builtin": model, **({"lora": LORA_CONFIGS[config]} if config in LORA_CONFIGS else {})},
         "algorithm": {"name": "grpo", "group_size": 8, "kl_coef": 0.02},
         "trainer": {"lr": lr},
         "resources": {"threads_per_process": 2},
@@ -109,30 +120,33 @@ def state_and_sync(model: str, rounds: int, prompts: int) -> dict:
         total = sum(p.numel() for p in trainer.policy.parameters())
         trained = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
         out[config] = {"parameters": total, "trained_parameters": trained, **{f"{k}_bytes": v for k, v in seen.items()}}
-    times: dict[str, dict[str, list[float]]] = {c: {"step": [], "sync": []} for c in CONFIGS}
-    for r in range(rounds):
-        for config in CONFIGS if r % 2 == 0 else CONFIGS[::-1]:
-            trainer, _, engine = parts[config]
-            started = time.perf_counter()
-            trainer.train_step(samples, step=2 + r)
-            times[config]["step"].append(time.perf_counter() - started)
-            published = {k: v.detach().clone() for k, v in trainer.publish_state().items()}  # as a sync sends it
-            started = time.perf_counter()
-            engine.update_weights(published, version=2 + r)
-            engine.runner.load_weights()
-            times[config]["sync"].append(time.perf_counter() - started)
-            out[config]["sync_bytes"] = sum(t.numel() * t.element_size() for t in published.values())
-    for config in CONFIGS:
-        out[config]["step_s"] = statistics.median(times[config]["step"])
-        out[config]["sync_s"] = statistics.median(times[config]["sync"])
-    full, lora = out["full"], out["lora"]
+
+    def measure(config: str, r: int) -> tuple[float, float]:
+        trainer, _, engine = parts[config]
+        started = time.perf_counter()
+        trainer.train_step(samples, step=2 + r)
+        step_s = time.perf_counter() - started
+        published = {k: v.detach().clone() for k, v in trainer.publish_state().items()}  # as a sync sends it
+        started = time.perf_counter()
+        engine.update_weights(published, version=2 + r)
+        engine.runner.load_weights()
+        out[config]["sync_bytes"] = sum(t.numel() * t.element_size() for t in published.values())
+        return step_s, time.perf_counter() - started
+
+    for config, figures in interleaved(CONFIGS, rounds, measure).items():
+        out[config]["step_s"] = statistics.median(step for step, _ in figures)
+        out[config]["sync_s"] = statistics.median(sync for _, sync in figures)
+    full = out["full"]
     out["ratios"] = {
-        "optimizer_state": lora["optimizer_bytes"] / full["optimizer_bytes"],
-        "trained_state": (lora["params_bytes"] + lora["grads_bytes"] + lora["optimizer_bytes"])
-        / (full["params_bytes"] + full["grads_bytes"] + full["optimizer_bytes"]),
-        "sync_bytes": lora["sync_bytes"] / full["sync_bytes"],
-        "sync_time": lora["sync_s"] / full["sync_s"],
-        "step_time": lora["step_s"] / full["step_s"],
+        config: {
+            "optimizer_state": lora["optimizer_bytes"] / full["optimizer_bytes"],
+            "trained_state": (lora["params_bytes"] + lora["grads_bytes"] + lora["optimizer_bytes"])
+            / (full["params_bytes"] + full["grads_bytes"] + full["optimizer_bytes"]),
+            "sync_bytes": lora["sync_bytes"] / full["sync_bytes"],
+            "sync_time": lora["sync_s"] / full["sync_s"],
+            "step_time": lora["step_s"] / full["step_s"],
+        }
+        for config, lora in ((c, out[c]) for c in LORA_CONFIGS)
     }
     return out
 
@@ -174,7 +188,7 @@ def peak_memory(model: str, steps: int, prompts: int) -> dict:
             subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         )
         out[config] = {**got, "added": got["peak"] - got["before"]}
-    out["ratio_added"] = out["lora"]["added"] / out["full"]["added"]
+    out["ratio_added"] = {config: out[config]["added"] / out["full"]["added"] for config in LORA_CONFIGS}
     return out
 
 
@@ -209,10 +223,13 @@ def learning(model: str, sft_steps: int, steps: int, eval_size: int, lrs: dict[s
                 "eval_start": first,
                 "eval_end": last,
                 "eval_se": math.sqrt(max(last * (1 - last), 1e-9) / eval_size),
-                "samples_per_s": result["metrics"].get("throughput/samples_per_s"),
+                # the whole run's, start-up and evaluations included (the last step's own figure is noisy)
+                "samples_per_s": steps * 8 * 8 / wall,
                 "wall_s": wall,
             }
-    out["samples_per_s_ratio"] = out["lora"]["samples_per_s"] / out["full"]["samples_per_s"]
+    out["samples_per_s_ratio"] = {
+        config: out[config]["samples_per_s"] / out["full"]["samples_per_s"] for config in LORA_CONFIGS
+    }
     return out
 
 
@@ -241,7 +258,7 @@ def main() -> None:
             sft_steps=30 if args.quick else 150,
             steps=6 if args.quick else 40,
             eval_size=32 if args.quick else 256,
-            lrs={"full": args.lr_full, "lora": args.lr_lora},
+            lrs={"full": args.lr_full, "lora": args.lr_lora, "lora-all": args.lr_lora},
         ),
     }
     for part, figures in results.items():

@@ -167,10 +167,13 @@ BUILTIN_MODELS = ("tiny-qwen2", "tiny-llama", "small-qwen2", "medium-qwen2")
 BUILTIN_TASKS = ("reverse", "repeat", "arithmetic", "copy")
 
 
-# The projections of the Llama / Qwen2 decoder layer (the plain decoder's and transformers' names): LoRA's default
-# targets, every linear layer but the embedding and the head.
 VLLM_MAX_LORA_RANK = 512  # vLLM 0.30's largest max_lora_rank (vllm/config/lora.py, MaxLoRARanks)
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of the Llama / Qwen2 decoder layer (the plain decoder's and transformers' names): every linear
+# layer but the embedding and the head, what LoRA may target in a built-in.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The default targets: peft's own for Llama and Qwen2 (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), what a
+# peft or TRL user gets without naming any. All seven projections adapt more (bench/lora.py measures both).
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")
 
 
 class LoraSpec(_Section):
@@ -184,7 +187,8 @@ class LoraSpec(_Section):
         min_length=1,
         max_length=64,
         description="Names of the linear modules that get adapters (a module matches when its name ends with "
-        "one); each must match at least one module of the model.",
+        "one); each must match at least one module of the model. Default: q_proj and v_proj, peft's default for "
+        "Llama and Qwen2.",
     )
     init_path: str | None = Field(
         None,
@@ -869,12 +873,12 @@ class RunSpec(_Section):
                 )
         if self.workload == "llm" and m.lora is not None and m.path is None:
             for target in m.lora.target_modules:
-                if target not in LORA_DEFAULT_TARGETS:
+                if target not in LORA_TARGETS:
                     errors.append(
                         {
                             "field": "model.lora.target_modules",
                             "message": f"{target!r} matches no linear layer of {m.builtin}; its decoder layers' "
-                            f"are {', '.join(LORA_DEFAULT_TARGETS)}",
+                            f"are {', '.join(LORA_TARGETS)}",
                         }
                     )
         if self.workload != "llm" or m.attn_implementation is None:
