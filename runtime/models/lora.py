@@ -144,7 +144,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer._disable_adapters = was
 
 
-def _full(tensor: Tensor) -> Tensor:
+def _on_cpu(tensor: Tensor) -> Tensor:
     """A tensor's value on the CPU (the HF export reads an unsharded module: no fsdp shards here)."""
     return tensor.detach().to("cpu")
 
@@ -178,19 +178,20 @@ def merged_state(model: nn.Module) -> dict[str, Tensor]:
             continue
         owner, _, leaf = key.rpartition(".base_layer.")
         if not owner:
-            state[key] = _full(value)
+            state[key] = _on_cpu(value)
             continue
-        state[f"{owner}.{leaf}"] = _full(merged_weight(layers[owner]) if leaf == "weight" else value)
+        state[f"{owner}.{leaf}"] = _on_cpu(merged_weight(layers[owner]) if leaf == "weight" else value)
     return state
 
 
 def peft_adapter_state(adapters: dict[str, Tensor]) -> dict[str, Tensor]:
     """Adapter tensors under the names a PEFT adapter file uses (``base_model.model.<module>.lora_A.weight``)."""
-    out = {}
-    for key, value in adapters.items():
-        name = key.replace(f".{ADAPTER}.", ".")
-        out[PEFT_PREFIX + name] = _full(value).contiguous()
-    return out
+    return {_peft_name(key): _on_cpu(value).contiguous() for key, value in adapters.items()}
+
+
+def _peft_name(key: str) -> str:
+    """A model state-dict name of an adapter tensor as a PEFT adapter file names it (no adapter name, prefixed)."""
+    return PEFT_PREFIX + key.replace(f".{ADAPTER}.", ".")
 
 
 def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
@@ -236,7 +237,7 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
             raise ModelError(f"{field}: the adapter has {key} {saved.get(key)!r}, model.lora asks for {want!r}")
     tensors = load_file(str(weights))
     own = adapter_state(model.state_dict())
-    names = {PEFT_PREFIX + key.replace(f".{ADAPTER}.", "."): key for key in own}
+    names = {_peft_name(key): key for key in own}
     missing, unknown = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
     if missing or unknown:
         raise ModelError(

@@ -9,9 +9,11 @@ every reporter (so to metrics.jsonl and the platform, which still have every met
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from runtime.contract import EVENT_CHECKPOINT
@@ -25,6 +27,18 @@ TRACKER_ERROR = "tracker_error"  # payload tracker, error: a tracker stopped; th
 QUEUE_LIMIT = 10_000  # records waiting for a slow tracker before it drops them (and says so)
 CLOSE_WAIT_S = 120.0  # at the end of the run, how long a tracker may take to send what is queued
 _STOP = ("stop",)
+
+
+def previous_run(path: Path, resumed: bool) -> dict[str, Any] | None:
+    """What a tracker recorded in ``path`` about the run it logged this output directory to (the file it writes
+    at start), when the run resumes; None when it does not, or the file is missing or unreadable."""
+    if not resumed or not path.is_file():
+        return None
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return before if isinstance(before, dict) else None
 
 
 class Tracker(Protocol):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.trackers.background import CHECKPOINT_MANIFEST, EVENT_CHECKPOINT
+from runtime.trackers.background import CHECKPOINT_MANIFEST, EVENT_CHECKPOINT, previous_run
 from runtime.trackers.params import clipped
 
 LOCAL_STORE = "mlflow.db"
@@ -103,12 +103,8 @@ class MlflowTracker:
 
     def _resumed_run_id(self) -> str | None:
         """The run this output directory logged to before, when resuming into the same store and experiment."""
-        path = self.output_dir / RUN_ID_FILE
-        if not self._resumed or not path.is_file():
-            return None
-        try:
-            before = json.loads(path.read_text())
-        except (OSError, ValueError):
+        before = previous_run(self.output_dir / RUN_ID_FILE, self._resumed)
+        if before is None:
             return None
         if before.get("tracking_uri") != self.tracking_uri or before.get("experiment") != self.experiment:
             return None

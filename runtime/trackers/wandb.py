@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.trackers.background import CHECKPOINT_MANIFEST, EVENT_CHECKPOINT
+from runtime.trackers.background import CHECKPOINT_MANIFEST, EVENT_CHECKPOINT, previous_run
 
 RUN_ID_FILE = "wandb_run.json"  # the W&B run of this output directory, continued by a resumed run
 STEP_KEY = "step"  # the x axis of every metric: the run's own step, which may go back (resume, late evaluation)
@@ -61,12 +61,8 @@ class WandbTracker:
         self._run.define_metric("*", step_metric=STEP_KEY)
 
     def _resumed_run_id(self) -> str | None:
-        path = self.output_dir / RUN_ID_FILE
-        if not self._resumed or not path.is_file():
-            return None
-        try:
-            before = json.loads(path.read_text())
-        except (OSError, ValueError):
+        before = previous_run(self.output_dir / RUN_ID_FILE, self._resumed)
+        if before is None:
             return None
         return str(before["run_id"]) if before.get("project") == self.project and before.get("run_id") else None
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from runtime.models.lora import is_adapter_key
+from runtime.models.lora import adapter_state
 from runtime.samples import Sample
 from runtime.spec import RunSpec
 
@@ -32,21 +32,23 @@ class PublishedPolicy:
         # With LoRA a version is its adapters: they are copied into a model of its own holding the frozen base
         # (built as the trainer built it, from ``seed``), a copy of the base rather than of every version.
         self.lora = model_spec.lora is not None
-        self._empty: State
+        self._slots: (
+            State  # what a version fills: meta tensors (bound in place), or with LoRA the adapters (copied into)
+        )
         if self.lora:
             from runtime.models import build_policy
 
             self.model = build_policy(model_spec, self.device, seed=seed)[0].eval().requires_grad_(False)
-            self._empty = {k: v for k, v in self.model.state_dict().items() if is_adapter_key(k)}
+            self._slots = adapter_state(self.model.state_dict())
             return
         model = _skeleton(model_spec, self.device.type)
         _materialise_buffers(model, self.device)
         self.model = model.eval().requires_grad_(False)
-        self._empty = dict(model.state_dict())  # meta tensors: what release() binds back
+        self._slots = dict(model.state_dict())  # meta tensors: what release() binds back
 
     def bind(self, state: State) -> Any:
         """Make ``state``'s tensors the model's parameters (with LoRA: copy its adapters in); returns the model."""
-        missing, unknown = sorted(set(self._empty) - set(state)), sorted(set(state) - set(self._empty))
+        missing, unknown = sorted(set(self._slots) - set(state)), sorted(set(state) - set(self._slots))
         if missing or unknown:
             raise ValueError(
                 f"published weights do not fit model.builtin/model.path: missing {missing[:5]}, unknown {unknown[:5]}"
@@ -54,17 +56,17 @@ class PublishedPolicy:
         if self.lora:
             with torch.no_grad():
                 for name, tensor in state.items():
-                    self._empty[name].copy_(tensor)
+                    self._slots[name].copy_(tensor)
             return self.model
         # .to() returns the tensor itself when device and dtype already match: no copy
-        tensors = {k: state[k].to(device=self.device, dtype=meta.dtype) for k, meta in self._empty.items()}
+        tensors = {k: state[k].to(device=self.device, dtype=meta.dtype) for k, meta in self._slots.items()}
         self.model.load_state_dict(tensors, assign=True)
         return self.model
 
     def release(self) -> None:
         """Let go of the bound tensors (the parameters are storage-less again; LoRA's copies stay)."""
         if not self.lora:
-            self.model.load_state_dict(self._empty, assign=True)
+            self.model.load_state_dict(self._slots, assign=True)
 
     @contextmanager
     def bound(self, state: State) -> Iterator[Any]:
