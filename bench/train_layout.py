@@ -2,10 +2,12 @@
 
 Layouts (``trainer.layout``):
 
-- ``padded``: one right-padded row per sample, and the shared-prefix layout (a group's prompt run once)
-  where it saves 20% of the tokens: the trainer's layout before packing.
-- ``packed``: whole sequences one after another in rows, attention block-diagonal.
-- ``auto`` (the default): packed, and shared-prefix where that saves 20% of the packed tokens.
+- ``padded``: one right-padded row per sample, and the shared-prefix layout (a group's prompt run once,
+  its responses continued from the prompt's KV cache in length tiers) where it saves 20% of the tokens:
+  the trainer's layout before packing, and the step-time reference.
+- ``packed``: whole sequences one after another in rows, attention block-diagonal (nothing shared).
+- ``auto`` (the default): packed rows in which a group's samples share one copy of their prompt, each
+  response attending its prompt and itself (one forward per micro-batch).
 - ``padded-rows``: right-padded rows only, what the trainer ran before packing wherever the shared-prefix
   layout cannot act (fsdp, gradient checkpointing, a PPO critic): the layout packing replaces there.
 

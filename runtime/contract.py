@@ -228,7 +228,8 @@ METRICS: dict[str, str] = {
     PADDING_RATIO: "Padding tokens / all tokens in the training micro-batches (wasted compute).",
     COMPUTED_TOKENS_RATIO: "Tokens the training forwards computed (padding included) / the samples' prompt and "
     "response tokens: below 1 where a group's prompt ran once for all its samples.",
-    SHARED_PREFIX_SHARE: "Share of the training micro-batches in the shared-prefix layout.",
+    SHARED_PREFIX_SHARE: "Share of the training micro-batches that run a group's prompt once for several of its "
+    "samples (packed rows sharing it, or the shared-prefix layout).",
     PACKED_SHARE: "Share of the training micro-batches in the packed (padding-free) layout.",
     CONSISTENCY_DIFF_MEAN: "Mean |engine logprob - trainer logprob| over the step's response tokens.",
     CONSISTENCY_DIFF_MAX: "Largest such difference in this step.",

@@ -328,11 +328,14 @@ class TrainerSpec(_Section):
     )
     layout: Literal["auto", "packed", "padded"] = Field(
         "auto",
-        description="How micro-batches lay samples out. `packed`: whole sequences one after another in rows, "
-        "attention block-diagonal, next to no padding. `padded`: one right-padded row per sample (the layout "
-        "before packing, kept to compare). `auto`: packed, and where a mini-batch's groups share long prompts "
-        "(20% fewer tokens) the shared-prefix layout, which runs each prompt once; `padded` chooses it the same "
-        "way. The shared-prefix layout is never used with fsdp, gradient checkpointing or a critic.",
+        description="How micro-batches lay samples out. `auto`: packed rows in which a group's samples share "
+        "one copy of their prompt (each response attends its prompt and itself; one forward, next to no "
+        "padding), in every strategy and with gradient checkpointing or a critic; where the attention takes no "
+        "prepared mask (flash-attention, eager, sliding windows) sequences are packed and the shared-prefix "
+        "layout (the prompt's KV cache) runs groups where it saves 20% of the tokens, except with fsdp, "
+        "gradient checkpointing or a critic. `packed`: whole sequences one after another in rows, nothing "
+        "shared. `padded`: one right-padded row per sample, and the shared-prefix layout where it saves 20% "
+        "(the layout before packing, kept to compare).",
     )
     updates_per_step: Int = Field(1, ge=1, le=64, description="Optimizer updates per training step (mini-batches).")
     collective_timeout_s: Float = Field(

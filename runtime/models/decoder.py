@@ -14,7 +14,9 @@ Calling convention (what the trainer, the critic and the engines pass): ``input_
 ``cache`` (a :class:`KVCache`, continued in place), ``use_cache``, ``logits_to_keep``. Without an
 ``attention_mask`` and with ``position_ids`` restarting at 0 inside a row, the row is several sequences
 packed one after another (the trainer's packed layout): each attends only to itself, as transformers' SDPA
-path reads the same inputs.
+path reads the same inputs. A 4-D boolean ``attention_mask`` ``[B, 1, T, past + T]`` is used as given (True
+where attended), as transformers uses a prepared one: the packed layout's rows of a prompt shared by several
+responses.
 """
 
 from __future__ import annotations
@@ -250,7 +252,10 @@ class DecoderModel(_Checkpointable, nn.Module):
         if use_cache and cache is None:
             cache = KVCache()
         past = cache.get_seq_length() if cache is not None else 0
-        if attention_mask is None and position_ids is not None and past == 0 and x.shape[1] > 1:
+        mask: Tensor | None
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask  # prepared ([B, 1, T, past + T], True where attended), as transformers takes one
+        elif attention_mask is None and position_ids is not None and past == 0 and x.shape[1] > 1:
             mask = packed_causal_mask(position_ids.expand(x.shape[0], -1))  # sequences packed into rows
         else:
             mask = causal_mask(attention_mask, x.shape[0], x.shape[1], past, x.device)

@@ -92,3 +92,16 @@ def packed_causal_mask(position_ids: Tensor) -> Tensor | None:
     cols = torch.arange(t, device=position_ids.device)
     causal = cols[None, :] <= cols[:, None]
     return (causal[None] & (seq[:, :, None] == seq[:, None, :]))[:, None]
+
+
+def shared_prompt_mask(segments: Tensor, branches: Tensor) -> Tensor:
+    """``[B, 1, T, T]``, True where column ``i`` may attend column ``j`` in rows of *units*: a prompt followed
+    by several responses to it (``segments``: the unit of each column; ``branches``: 0 on the prompt, ``k`` on
+    the unit's ``k``-th response). ``j <= i`` in the same unit, and ``j`` on the prompt or on ``i``'s own
+    response: each response sees its prompt and itself, as if it followed the prompt alone."""
+    t = segments.shape[1]
+    cols = torch.arange(t, device=segments.device)
+    causal = cols[None, :] <= cols[:, None]
+    same_unit = segments[:, :, None] == segments[:, None, :]
+    visible = (branches[:, None, :] == 0) | (branches[:, :, None] == branches[:, None, :])
+    return (causal[None] & same_unit & visible)[:, None]

@@ -3,12 +3,14 @@
 Three layouts, one interface (:class:`ResponseLayout`: where each response token sits in a ``[B, W]``
 grid, one row per sample, then token order), so the loss code does not know which ran:
 
-- :class:`PackedBatch` — whole sequences (prompt + response) packed one after another into rows,
-  positions restarting at 0 for each, no padding mask: the model attends block-diagonally (each sequence
-  to itself; the plain decoder and transformers' attention read the same inputs so). Nearly no padding:
-  the linear layers compute real tokens only. Micro-batches come from :func:`plan_packed` (a token
-  budget, rows one to two times as wide as the micro-batch's longest sequence, filled first-fit longest
-  first).
+- :class:`PackedBatch` — units packed one after another into rows: a unit is a prompt and the continuations
+  of the samples answering it (one sample: a sequence; several: a GRPO group sharing one copy of its prompt).
+  Positions restart at 0 for each unit. Rows of single-sample units pass no mask (the model attends
+  block-diagonally, each sequence to itself; the plain decoder, transformers' attention and flash-attention's
+  varlen path read the positions so); rows of shared units pass an explicit mask where each response sees its
+  prompt and itself. Nearly no padding, and a group's prompt computed once per unit, in one forward.
+  Micro-batches come from :func:`plan_packed_units` (units cut to a cap, then :func:`plan_packed`: a token
+  budget, rows one to two times as wide as the micro-batch's longest unit, filled first-fit longest first).
 - :class:`PaddedBatch` — each sample's prompt and response as one right-padded row; one forward.
   Micro-batches come from :func:`make_micro_batches` (length-sorted, a token budget).
 - :class:`SharedPrefixBatch` — the samples of one prompt (a GRPO group) share it: the prompt runs
@@ -18,15 +20,16 @@ grid, one row per sample, then token order), so the loss code does not know whic
   float rounding, while a group of ``g`` samples computes its prompt once instead of ``g`` times.
   Micro-batches come from :func:`plan_shared_prefix` (whole groups where they fit the budget).
 
-:func:`plan_micro_batches` lays a mini-batch out packed or padded (``trainer.layout``), and in the
-shared-prefix layout instead where that is allowed and processes at least ``SHARED_PREFIX_MIN_SAVING``
-fewer tokens.
+:func:`plan_micro_batches` lays a mini-batch out packed (sharing prompts in rows where the attention takes an
+explicit mask) or padded (``trainer.layout``), and in the shared-prefix layout instead where that is allowed
+and processes at least ``SHARED_PREFIX_MIN_SAVING`` fewer tokens.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from runtime.models.kv_cache import shared_prompt_mask
 from runtime.models.logprobs import positions_from_mask
 from runtime.samples import Sample
 
@@ -183,6 +187,22 @@ def collate_padded(samples: list[Sample], indices: list[int], pad_id: int, devic
     )
 
 
+# --------------------------------------------------------------------------- prompts and continuations
+
+
+def prompt_units(samples: list[Sample], indices: list[int]) -> list[list[int]]:
+    """``indices`` grouped by identical prompt ids, groups in order of first appearance."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        units.setdefault(tuple(samples[i].prompt_ids), []).append(i)
+    return list(units.values())
+
+
+def _continuation(samples: list[Sample], i: int) -> int:
+    """Tokens sample ``i`` feeds after its prompt: its response but the last (whose successor is not scored)."""
+    return max(len(samples[i].response_ids) - 1, 0)
+
+
 # --------------------------------------------------------------------------- packed layout
 
 
@@ -255,15 +275,144 @@ def packed_tokens(lengths: list[int], batches: list[list[list[int]]]) -> int:
     return sum(len(rows) * max(sum(lengths[i] for i in row) for row in rows) for rows in batches if rows)
 
 
+# Row widths a micro-batch of rows sharing prompts tries, as multiples of its longest sequence (prompt +
+# continuation): a wider row holds more of a group behind one prompt copy, at the cost of more attention.
+SHARED_ROW_WIDTHS = (1.0, 1.25, 1.5, 2.0, 3.0)
+# Without a model's shapes: the row width at which a row's attention costs what its linear layers do.
+DEFAULT_ATTENTION_WIDTH = 2048.0
+
+
+def attention_width(config: Any) -> float:
+    """The row width (tokens) at which a packed row's attention costs as much as its linear layers.
+
+    The attention of a ``W``-token row computes every (query, key) pair, masked ones included: about
+    ``4 q W^2`` flops per layer (``q`` the query width), against ``2 L W`` for the linear layers (``L`` their
+    weights per layer), so the two are even at ``W = L / 2q``. Read from a transformers-style config;
+    :data:`DEFAULT_ATTENTION_WIDTH` when a field is missing.
+    """
+    try:
+        h, heads, inter = int(config.hidden_size), int(config.num_attention_heads), int(config.intermediate_size)
+    except (AttributeError, TypeError, ValueError):
+        return DEFAULT_ATTENTION_WIDTH
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    q = heads * head_dim
+    linear = 2 * h * q + 2 * h * kv + 3 * h * inter  # q, o; k, v; gate, up, down
+    return linear / (2 * q)
+
+
+def unit_tokens(samples: list[Sample], unit: list[int], cont_of: dict[int, int]) -> int:
+    """Tokens a packed unit feeds: its prompt once, then each sample's continuation."""
+    return len(samples[unit[0]].prompt_ids) + sum(cont_of[i] for i in unit)
+
+
+def packed_cost(widths: list[tuple[int, int]], width_scale: float) -> float:
+    """The cost of packed micro-batches of ``(rows, width)`` in token-equivalents: their tokens, each row's
+    attention over its width counted as :func:`attention_width` says."""
+    return sum(rows * width * (1.0 + width / width_scale) for rows, width in widths)
+
+
+def plan_packed_units(
+    samples: list[Sample],
+    indices: list[int],
+    token_budget: int,
+    share_prompts: bool,
+    width_scale: float = DEFAULT_ATTENTION_WIDTH,
+) -> list[list[list[list[int]]]]:
+    """Micro-batches of rows of units (lists of sample indices sharing a prompt) within ``token_budget``.
+
+    Without ``share_prompts`` every sample is a unit of its own: :func:`plan_packed` (sequence packing). With
+    it, a sample joins a row that holds its group's prompt where its continuation fits there, else any row
+    with room for the prompt and its continuation: a group's samples in one row share one copy of the prompt.
+    Micro-batch by micro-batch, the samples left are placed longest continuation first into rows of each
+    :data:`SHARED_ROW_WIDTHS` multiple of the longest sequence left, and the width whose rows cost least
+    (:func:`packed_cost`) per token of the samples they hold is taken (a prompt counted once per group, so
+    its copies count as waste). Deterministic.
+    """
+    cont_of = {i: _continuation(samples, i) for i in indices}
+    if not share_prompts:
+        lengths = [len(samples[i].prompt_ids) + cont_of[i] for i in indices]
+        return [[[[indices[k]] for k in row] for row in rows] for rows in plan_packed(lengths, token_budget)]
+    key_of = {i: tuple(samples[i].prompt_ids) for i in indices}
+    group_size = Counter(key_of.values())
+    useful = {i: cont_of[i] + len(key_of[i]) / group_size[key_of[i]] for i in indices}
+    # Group by group (the group with the longest continuation first), each longest first: a group's samples
+    # meet in the rows its first ones opened.
+    longest_of: dict[tuple[int, ...], int] = {}
+    for i in indices:
+        longest_of[key_of[i]] = max(longest_of.get(key_of[i], 0), cont_of[i])
+    first_of = {key: k for k, key in reversed(list(enumerate(key_of[i] for i in indices)))}
+    remaining = sorted(indices, key=lambda i: (-longest_of[key_of[i]], first_of[key_of[i]], -cont_of[i], i))
+    batches: list[list[list[list[int]]]] = []
+    while remaining:
+        longest = max(len(key_of[i]) + cont_of[i] for i in remaining)
+        best: tuple[float, list[list[list[int]]], list[int]] | None = None
+        for factor in SHARED_ROW_WIDTHS:
+            width = min(max(token_budget, longest), math.ceil(factor * longest))
+            rows, fill, left = _fill_shared_rows(remaining, key_of, cont_of, width, max(1, token_budget // width))
+            placed = sum(useful[i] for row in rows for unit in row for i in unit)
+            cost = packed_cost([(len(rows), fill)], width_scale) / max(placed, 1e-9)
+            if best is None or cost < best[0]:
+                best = (cost, rows, left)
+        assert best is not None
+        batches.append(best[1])
+        remaining = best[2]
+    return batches
+
+
+def _fill_shared_rows(
+    order: list[int], key_of: dict[int, tuple[int, ...]], cont_of: dict[int, int], width: int, max_rows: int
+) -> tuple[list[list[list[int]]], int, list[int]]:
+    """``order`` placed into at most ``max_rows`` rows of ``width`` tokens: each sample into the first row that
+    holds its prompt with room for its continuation, else the first with room for both, else a new row.
+    Returns the rows (units in order of their prompt's first appearance), the widest row's fill, and what did
+    not fit (in order)."""
+    units: list[dict[tuple[int, ...], list[int]]] = []
+    room: list[int] = []
+    rows_of: dict[tuple[int, ...], list[int]] = {}  # rows holding a prompt
+    left: list[int] = []
+    for i in order:
+        key, c = key_of[i], cont_of[i]
+        row = next((r for r in rows_of.get(key, ()) if c <= room[r]), None)
+        need = c
+        if row is None:
+            need = len(key) + c
+            row = next((r for r in range(len(units)) if need <= room[r]), None)
+            if row is None and len(units) < max_rows:
+                units.append({})
+                room.append(width)
+                row = len(units) - 1
+            if row is None:
+                left.append(i)
+                continue
+            rows_of.setdefault(key, []).append(row)
+        units[row].setdefault(key, []).append(i)
+        room[row] -= need
+    return [list(row.values()) for row in units], width - min(room, default=width), left
+
+
 @dataclass
 class PackedBatch(ResponseLayout):
-    """Sequences packed into ``[R, C]`` rows; the grid is ``[B, N]`` (column ``j`` = response token ``j``),
-    one grid row per sample in packing order (``indices``)."""
+    """Units packed into ``[R, C]`` rows; the grid is ``[B, N]`` (column ``j`` = response token ``j``), one grid
+    row per sample in packing order (``indices``).
+
+    A unit is a prompt and the continuations of the samples answering it (each sample's response but its last
+    token, whose successor is not scored). A unit of one sample is a sequence: positions restart at 0 for
+    each, and no mask is passed (the attention is block-diagonal, read from the positions, as flash-attention's
+    varlen path reads them too). A unit of several gives each response the prompt's positions' successors
+    and an explicit mask (:func:`~runtime.models.kv_cache.shared_prompt_mask`): each response sees its prompt
+    and itself, so every log-prob and gradient is the padded layout's to float rounding.
+    """
 
     input_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [R, C]
-    position_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [R, C], from 0 for each sequence
+    position_ids: Tensor = field(default_factory=lambda: torch.empty(0))  # [R, C], from 0 for each unit
+    attention_mask: Tensor | None = None  # [R, 1, C, C] where a unit shares its prompt, else None
     pick: Tensor = field(default_factory=lambda: torch.empty(0))  # [n] flat [R * C] position predicting each
     targets: Tensor = field(default_factory=lambda: torch.empty(0))  # [n]
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.attention_mask is not None
 
     def logits_and_targets(self, forward: Forward, prefix_forward: Forward | None = None) -> tuple[Tensor, Tensor]:
         """The logits predicting each response token ``[n, V]`` and the tokens ``[n]`` (one forward)."""
@@ -271,35 +420,51 @@ class PackedBatch(ResponseLayout):
         return self.predicting(logits), self.targets
 
     def forward_inputs(self) -> dict[str, Tensor | None]:
-        # No attention mask: the restarting positions are what makes the attention block-diagonal.
-        return {"input_ids": self.input_ids, "attention_mask": None, "position_ids": self.position_ids}
+        # Without a mask the restarting positions are what makes the attention block-diagonal.
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
     def predicting(self, per_position: Tensor) -> Tensor:
         return per_position.reshape(-1, *per_position.shape[2:])[self.pick]
 
 
-def collate_packed(samples: list[Sample], rows: list[list[int]], pad_id: int, device: torch.device) -> PackedBatch:
-    """The micro-batch whose packed rows hold the samples ``rows`` (lists of indices into ``samples``)."""
-    width = max(sum(samples[i].num_tokens for i in row) for row in rows)
+def collate_packed(
+    samples: list[Sample], rows: list[list[list[int]]], pad_id: int, device: torch.device
+) -> PackedBatch:
+    """The micro-batch whose packed rows hold the units ``rows`` (each a list of indices into ``samples``
+    sharing one prompt; a unit of one sample is a sequence)."""
+    cont_of = {i: _continuation(samples, i) for row in rows for unit in row for i in unit}
+    width = max(sum(unit_tokens(samples, u, cont_of) for u in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    segments = torch.zeros((len(rows), width), dtype=torch.long)
+    branches = torch.zeros((len(rows), width), dtype=torch.long)
     pick: list[int] = []
     targets: list[int] = []
     for r, row in enumerate(rows):
         offset = 0
-        for i in row:
-            seq = samples[i].prompt_ids + samples[i].response_ids
-            p, n = len(samples[i].prompt_ids), len(samples[i].response_ids)
-            input_ids[r, offset : offset + len(seq)] = torch.tensor(seq, dtype=torch.long)
-            position_ids[r, offset : offset + len(seq)] = torch.arange(len(seq))
-            # Response token j (sequence position p + j) is predicted at column offset + p + j - 1.
-            start = r * width + offset + p - 1
-            pick.extend(range(start, start + n))
-            targets.extend(samples[i].response_ids)
-            offset += len(seq)
+        for s, unit in enumerate(row):
+            prompt = samples[unit[0]].prompt_ids
+            p = len(prompt)
+            input_ids[r, offset : offset + p] = torch.tensor(prompt, dtype=torch.long)
+            position_ids[r, offset : offset + p] = torch.arange(p)
+            segments[r, offset : offset + p] = s
+            last = r * width + offset + p - 1  # the prompt's last column predicts every response's first token
+            offset += p
+            for b, i in enumerate(unit, start=1):
+                response, c = samples[i].response_ids, cont_of[i]
+                input_ids[r, offset : offset + c] = torch.tensor(response[:c], dtype=torch.long)
+                position_ids[r, offset : offset + c] = torch.arange(p, p + c)
+                segments[r, offset : offset + c] = s
+                branches[r, offset : offset + c] = b
+                # Response token j >= 1 is predicted at the column of token j - 1.
+                pick.extend([last, *range(r * width + offset, r * width + offset + c)] if response else [])
+                targets.extend(response)
+                offset += c
         # The row's padding tail counts from 0 too: a sequence of its own, which no real token attends.
         position_ids[r, offset:] = torch.arange(width - offset)
-    indices = [i for row in rows for i in row]
+        segments[r, offset:] = len(row)
+    shared = any(len(unit) > 1 for row in rows for unit in row)
+    indices = [i for row in rows for unit in row for i in unit]
     lengths = [len(samples[i].response_ids) for i in indices]
     grid_rows = [k for k, n in enumerate(lengths) for _ in range(n)]
     grid_cols = [j for n in lengths for j in range(n)]
@@ -307,25 +472,13 @@ def collate_packed(samples: list[Sample], rows: list[list[int]], pad_id: int, de
         **_layout(indices, grid_rows, grid_cols, lengths, max(max(lengths, default=0), 1), device),
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
+        attention_mask=shared_prompt_mask(segments, branches).to(device) if shared else None,
         pick=torch.tensor(pick, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
     )
 
 
 # --------------------------------------------------------------------------- shared-prefix layout
-
-
-def prompt_units(samples: list[Sample], indices: list[int]) -> list[list[int]]:
-    """``indices`` grouped by identical prompt ids, groups in order of first appearance."""
-    units: dict[tuple[int, ...], list[int]] = {}
-    for i in indices:
-        units.setdefault(tuple(samples[i].prompt_ids), []).append(i)
-    return list(units.values())
-
-
-def _continuation(samples: list[Sample], i: int) -> int:
-    """Tokens sample ``i`` feeds after its prompt: its response but the last (whose successor is not scored)."""
-    return max(len(samples[i].response_ids) - 1, 0)
 
 
 def continuation_tiers(conts: list[int]) -> list[tuple[int, int]]:
@@ -541,7 +694,7 @@ class MicroBatchPlan:
     included) and of those, the real ones."""
 
     layout: str
-    batches: list[Any]  # padded: lists of sample indices; packed: lists of rows; shared: lists of prompt units
+    batches: list[Any]  # padded: lists of sample indices; packed: lists of rows of units; shared: lists of units
     processed_tokens: int
     real_tokens: int
 
@@ -552,6 +705,14 @@ class MicroBatchPlan:
     def shared_prefix(self) -> bool:
         return self.layout == "shared_prefix"
 
+    def prompt_sharing_batches(self) -> int:
+        """Micro-batches that run a prompt once for several samples (any layout)."""
+        if self.layout == "shared_prefix":
+            return len(self.batches)
+        if self.layout == "packed":
+            return sum(1 for rows in self.batches if any(len(unit) > 1 for row in rows for unit in row))
+        return 0
+
     def collate(self, k: int, samples: list[Sample], pad_id: int, device: torch.device) -> ResponseLayout:
         if self.layout == "shared_prefix":
             return collate_shared_prefix(samples, self.batches[k], pad_id, device)
@@ -561,17 +722,26 @@ class MicroBatchPlan:
 
 
 def plan_micro_batches(
-    samples: list[Sample], indices: list[int], token_budget: int, allow_shared_prefix: bool, packed: bool = True
+    samples: list[Sample],
+    indices: list[int],
+    token_budget: int,
+    allow_shared_prefix: bool,
+    packed: bool = True,
+    share_prompts: bool = False,
+    width_scale: float = DEFAULT_ATTENTION_WIDTH,
 ) -> MicroBatchPlan:
-    """``indices`` packed (``packed``) or right-padded, or in the shared-prefix layout when that is allowed and
-    processes at least ``SHARED_PREFIX_MIN_SAVING`` fewer tokens."""
-    lengths = [samples[i].num_tokens for i in indices]
+    """``indices`` packed (``packed``; with ``share_prompts`` a group's samples share their prompt in a row) or
+    right-padded, or in the shared-prefix layout when that is allowed and processes at least
+    ``SHARED_PREFIX_MIN_SAVING`` fewer tokens."""
     base: MicroBatchPlan
     if packed:
-        rows = plan_packed(lengths, token_budget)
-        batches: list[Any] = [[[indices[j] for j in row] for row in b] for b in rows]
-        base = MicroBatchPlan("packed", batches, packed_tokens(lengths, rows), sum(lengths))
+        batches: list[Any] = plan_packed_units(samples, indices, token_budget, share_prompts, width_scale)
+        cont_of = {i: _continuation(samples, i) for i in indices}
+        widths = [[sum(unit_tokens(samples, u, cont_of) for u in row) for row in rows] for rows in batches]
+        processed = sum(len(fills) * max(fills) for fills in widths)
+        base = MicroBatchPlan("packed", batches, processed, sum(sum(fills) for fills in widths))
     else:
+        lengths = [samples[i].num_tokens for i in indices]
         local = make_micro_batches(lengths, token_budget)
         batches = [[indices[j] for j in b] for b in local]
         base = MicroBatchPlan("padded", batches, padded_tokens(lengths, local), sum(lengths))

@@ -10,10 +10,11 @@ One :meth:`Trainer.train_step` call does, in order:
    (only when ``algorithm.kl_coef > 0`` and a reference is given), the
    critic's old values (PPO);
 4. ``trainer.updates_per_step`` mini-batches, each split into micro-batches
-   by a token budget (:mod:`runtime.train.batches`: length-sorted padded rows,
-   or — where it computes fewer tokens — the shared-prefix layout that runs a
-   group's prompt once and continues its responses from the prompt's KV
-   cache, with the same loss and gradients up to float rounding), gradient
+   by a token budget (:mod:`runtime.train.batches`: packed rows, a group's
+   prompt once per row unit where the attention takes a prepared mask;
+   length-sorted padded rows; or the shared-prefix layout that runs a group's
+   prompt once and continues its responses from the prompt's KV cache; all
+   with the same loss and gradients up to float rounding), gradient
    accumulation with the loss normalised by the whole mini-batch's token /
    sequence counts across ranks (so it equals the full-batch loss), gradients
    summed over the ranks by the strategy's engine (DDP or FSDP2, see
@@ -89,7 +90,7 @@ from runtime.train.algos.core import (
 from runtime.train.algos.core import value_loss as value_loss_fn
 from runtime.train.algos.interface import PolicyBatch, UpdateContext, adamw_update
 from runtime.train.algos.registry import get_algorithm
-from runtime.train.batches import MicroBatchPlan, ResponseLayout, plan_micro_batches
+from runtime.train.batches import MicroBatchPlan, ResponseLayout, attention_width, plan_micro_batches
 from runtime.train.optimizer import AdamW
 from runtime.train.parallel import LossScale, ParallelModel, load_shards, save_shards
 
@@ -123,6 +124,19 @@ def _check_packs_sequences(model: Any) -> None:
             f"trainer.layout: {type(model).__name__} (attention {attention!r}) cannot mask sequences packed into "
             "one row; set trainer.layout: padded"
         )
+
+
+def takes_prepared_mask(model: Any) -> bool:
+    """Whether ``model``'s attention uses a prepared boolean ``[B, 1, T, T]`` mask as given, which packed rows
+    sharing a prompt need: the plain decoder, and transformers' SDPA path (its masking utilities return a 4-D
+    mask as is) on a model with no sliding-window layers (a prepared mask would replace their window).
+    Flash-attention reads no such mask, and transformers' eager path adds one as float."""
+    if isinstance(model, DecoderForCausalLM):
+        return True
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    return "sliding_attention" not in (getattr(config, "layer_types", None) or ())
 
 
 def _warmup(warmup_steps: int):
@@ -211,11 +225,20 @@ class Trainer:
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer, _warmup(tcfg.warmup_steps))
         self.version = 0  # weight version of the policy; +1 per train_step
         self.temperature = spec.rollout.temperature if spec.rollout.temperature > 0 else 1.0
-        # The shared-prefix layout (runtime.train.batches) needs the prompt's KV cache with its graph, which
-        # gradient checkpointing drops; fsdp would need every rank to agree on the layout per micro-batch;
-        # a critic reads the padded layout. Elsewhere the planner uses it when it saves tokens.
+        # `auto` packs a group's samples behind one copy of their prompt (runtime.train.batches) where the
+        # attention takes the mask that needs: one forward per micro-batch, so it acts with fsdp, gradient
+        # checkpointing and a critic alike.
+        self.shares_prompts_in_rows = tcfg.layout == "auto" and takes_prepared_mask(policy)
+        self.attention_width = attention_width(getattr(policy, "config", None))
+        # Elsewhere the shared-prefix layout runs a group's prompt once: it needs the prompt's KV cache with
+        # its graph, which gradient checkpointing drops; fsdp would need every rank to agree on the layout per
+        # micro-batch; a critic reads a single forward. Where it may act, the planner uses it if it saves tokens.
         self.shared_prefix_allowed = (
-            not self.sharded and not tcfg.gradient_checkpointing and self.critic is None and tcfg.layout != "packed"
+            not self.shares_prompts_in_rows
+            and not self.sharded
+            and not tcfg.gradient_checkpointing
+            and self.critic is None
+            and tcfg.layout != "packed"
         )
         self._offloaded: dict[int, dict] | None = None
 
@@ -578,7 +601,15 @@ class Trainer:
         """The micro-batches of ``indices``: shared-prefix where this trainer allows it and it saves tokens."""
         allow = shared_prefix and self.shared_prefix_allowed
         tcfg = self.spec.trainer
-        return plan_micro_batches(samples, indices, tcfg.micro_batch_tokens, allow, packed=tcfg.layout != "padded")
+        return plan_micro_batches(
+            samples,
+            indices,
+            tcfg.micro_batch_tokens,
+            allow,
+            packed=tcfg.layout != "padded",
+            share_prompts=self.shares_prompts_in_rows,
+            width_scale=self.attention_width,
+        )
 
     def _token_logprobs(
         self,
@@ -641,7 +672,7 @@ class Trainer:
         stats.add_sum("real_tokens", float(plan.real_tokens))
         stats.add_sum("padded_tokens", float(plan.processed_tokens))
         stats.add_sum("sample_tokens", float(sum(samples[i].num_tokens for i in mini)))
-        stats.add_sum("shared_prefix_batches", float(len(plan)) if plan.shared_prefix else 0.0)
+        stats.add_sum("shared_prefix_batches", float(plan.prompt_sharing_batches()))
         stats.add_sum("packed_batches", float(len(plan)) if plan.layout == "packed" else 0.0)
         stats.add_sum("micro_batches", float(len(plan)))
         behaviour = [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]

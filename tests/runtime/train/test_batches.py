@@ -125,8 +125,8 @@ def test_a_train_step_in_the_shared_prefix_layout_matches_the_padded_one():
     results = {}
     for shared in (True, False):
         policy, tok = _policy()
-        trainer = Trainer(_spec("trainer.lr=0.001"), policy, tok, "cpu")
-        assert trainer.shared_prefix_allowed
+        trainer = Trainer(_spec("trainer.lr=0.001", "trainer.layout=padded"), policy, tok, "cpu")
+        assert trainer.shared_prefix_allowed  # `auto` shares the prompts in packed rows instead (test_packed)
         trainer.shared_prefix_allowed = shared
         results[shared] = trainer.train_step(samples, 0)
     on, off = results[True], results[False]

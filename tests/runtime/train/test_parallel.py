@@ -17,9 +17,11 @@ from runtime.contract import (
     COMM_GRAD_WAIT,
     COMM_METRICS,
     COMM_PREFIX,
+    COMPUTED_TOKENS_RATIO,
     GRAD_NORM,
     LOSS_POLICY,
     PACKED_SHARE,
+    SHARED_PREFIX_SHARE,
     comm_metric,
     split_comm_metric,
 )
@@ -48,14 +50,15 @@ def _strategies_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     try:
         results = {}
-        for strategy, layout in (("ddp", "packed"), ("fsdp", "packed"), ("ddp", "padded"), ("fsdp", "padded")):
+        layouts = ("packed", "padded", "auto")  # auto: a group's samples share their prompt in a packed row
+        for strategy, layout in ((strategy, layout) for layout in layouts for strategy in ("ddp", "fsdp")):
             policy, tok = _policy()
             spec = _spec(
                 *TWO_RANKS, "trainer.updates_per_step=2", f"trainer.strategy={strategy}", f"trainer.layout={layout}"
             )
             trainer = Trainer(spec, policy, tok, "cpu", process_group=dist.group.WORLD)
             metrics = [trainer.train_step(_uneven_shard(step, rank), step) for step in range(3)]
-            results[strategy if layout == "packed" else f"{strategy}-padded"] = {
+            results[strategy if layout == "packed" else f"{strategy}-{layout}"] = {
                 "metrics": metrics,
                 "scored": trainer.score_logprobs(_uneven_shard(3, rank)),
                 "published": trainer.publish_state(),
@@ -79,16 +82,22 @@ def test_ddp_and_fsdp_give_the_same_losses_and_scores_on_uneven_shards(tmp_path)
     assert (
         ranks[0]["ddp-padded"]["metrics"][0][PACKED_SHARE] == ranks[0]["fsdp-padded"]["metrics"][0][PACKED_SHARE] == 0
     )
-    # packed and right-padded micro-batches, under either strategy: the same training
-    for other in (fsdp, ranks[0]["ddp-padded"], ranks[0]["fsdp-padded"]):
+    for strategy in ("ddp", "fsdp"):
+        shared = ranks[0][f"{strategy}-auto"]["metrics"][0]
+        assert shared[PACKED_SHARE] == 1.0 and shared[SHARED_PREFIX_SHARE] > 0, strategy
+        assert shared[COMPUTED_TOKENS_RATIO] < ddp["metrics"][0][COMPUTED_TOKENS_RATIO]
+    # packed, right-padded and prompt-sharing micro-batches, under either strategy: the same training
+    others = [fsdp] + [ranks[0][f"{s}-{layout}"] for layout in ("padded", "auto") for s in ("ddp", "fsdp")]
+    for other in others:
         for step, (a, b) in enumerate(zip(ddp["metrics"], other["metrics"], strict=True)):
             for key in (LOSS_POLICY, GRAD_NORM):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (step, key)
     for step, b in enumerate(fsdp["metrics"]):
         assert ranks[1]["fsdp"]["metrics"][step][LOSS_POLICY] == b[LOSS_POLICY]  # global metrics on every rank
     for r in range(2):
-        for a, b in zip(ranks[r]["ddp"]["scored"], ranks[r]["fsdp"]["scored"], strict=True):
-            assert b == pytest.approx(a, abs=1e-4)
+        for other in ("fsdp", "ddp-auto", "fsdp-auto"):
+            for a, b in zip(ranks[r]["ddp"]["scored"], ranks[r][other]["scored"], strict=True):
+                assert b == pytest.approx(a, abs=1e-4), other
     # fsdp gathers the full weights onto rank 0 only, under the names ddp publishes
     assert ranks[1]["fsdp"]["published"] == {}
     assert set(fsdp["published"]) <= set(ddp["published"]) and "model.embed_tokens.weight" in fsdp["published"]
