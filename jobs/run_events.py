@@ -23,7 +23,11 @@ from jobs import stream
 from jobs.models import RunEvent
 
 PLATFORM_ROLE = "platform"  # the ``role`` of the events the platform itself records for a run
-SEQ_TRIES = 10  # inserts tried before a seq collision is raised (each lost try means another writer won)
+# Inserts tried before a seq collision is raised. Each lost try means another writer committed an event of
+# this run meanwhile, so a slow writer can lose as many tries as the others write events while it retries
+# (a test's 3 writers of 10 events each once took more than 10 on a loaded machine): the bound only stops
+# a writer that never wins.
+SEQ_TRIES = 1000
 
 
 def _next_seq(run_id: int) -> int:
