@@ -9,8 +9,9 @@ grid, one row per sample, then token order), so the loss code does not know whic
   block-diagonally, each sequence to itself; the plain decoder, transformers' attention and flash-attention's
   varlen path read the positions so); rows of shared units pass an explicit mask where each response sees its
   prompt and itself. Nearly no padding, and a group's prompt computed once per unit, in one forward.
-  Micro-batches come from :func:`plan_packed_units` (units cut to a cap, then :func:`plan_packed`: a token
-  budget, rows one to two times as wide as the micro-batch's longest unit, filled first-fit longest first).
+  Micro-batches come from :func:`plan_packed_units` (a token budget; sequences through :func:`plan_packed`,
+  rows one to two times as wide as the micro-batch's longest sequence, filled first-fit longest first; a
+  group's samples into the rows holding its prompt, at the row width that costs least with attention).
 - :class:`PaddedBatch` — each sample's prompt and response as one right-padded row; one forward.
   Micro-batches come from :func:`make_micro_batches` (length-sorted, a token budget).
 - :class:`SharedPrefixBatch` — the samples of one prompt (a GRPO group) share it: the prompt runs
@@ -306,10 +307,10 @@ def unit_tokens(samples: list[Sample], unit: list[int], cont_of: dict[int, int])
     return len(samples[unit[0]].prompt_ids) + sum(cont_of[i] for i in unit)
 
 
-def packed_cost(widths: list[tuple[int, int]], width_scale: float) -> float:
-    """The cost of packed micro-batches of ``(rows, width)`` in token-equivalents: their tokens, each row's
-    attention over its width counted as :func:`attention_width` says."""
-    return sum(rows * width * (1.0 + width / width_scale) for rows, width in widths)
+def packed_cost(rows: int, width: int, width_scale: float) -> float:
+    """The cost of a packed micro-batch of ``rows`` rows ``width`` tokens wide in token-equivalents: its tokens,
+    each row's attention over its width counted as :func:`attention_width` says."""
+    return rows * width * (1.0 + width / width_scale)
 
 
 def plan_packed_units(
@@ -338,11 +339,9 @@ def plan_packed_units(
     useful = {i: cont_of[i] + len(key_of[i]) / group_size[key_of[i]] for i in indices}
     # Group by group (the group with the longest continuation first), each longest first: a group's samples
     # meet in the rows its first ones opened.
-    longest_of: dict[tuple[int, ...], int] = {}
-    for i in indices:
-        longest_of[key_of[i]] = max(longest_of.get(key_of[i], 0), cont_of[i])
-    first_of = {key: k for k, key in reversed(list(enumerate(key_of[i] for i in indices)))}
-    remaining = sorted(indices, key=lambda i: (-longest_of[key_of[i]], first_of[key_of[i]], -cont_of[i], i))
+    groups = [sorted(g, key=lambda i: (-cont_of[i], i)) for g in prompt_units(samples, indices)]
+    groups.sort(key=lambda g: -cont_of[g[0]])  # stable: ties keep the order of first appearance
+    remaining = [i for g in groups for i in g]
     batches: list[list[list[list[int]]]] = []
     while remaining:
         longest = max(len(key_of[i]) + cont_of[i] for i in remaining)
@@ -351,7 +350,7 @@ def plan_packed_units(
             width = min(max(token_budget, longest), math.ceil(factor * longest))
             rows, fill, left = _fill_shared_rows(remaining, key_of, cont_of, width, max(1, token_budget // width))
             placed = sum(useful[i] for row in rows for unit in row for i in unit)
-            cost = packed_cost([(len(rows), fill)], width_scale) / max(placed, 1e-9)
+            cost = packed_cost(len(rows), fill, width_scale) / max(placed, 1e-9)
             if best is None or cost < best[0]:
                 best = (cost, rows, left)
         assert best is not None
@@ -367,7 +366,7 @@ def _fill_shared_rows(
     holds its prompt with room for its continuation, else the first with room for both, else a new row.
     Returns the rows (units in order of their prompt's first appearance), the widest row's fill, and what did
     not fit (in order)."""
-    units: list[dict[tuple[int, ...], list[int]]] = []
+    rows: list[dict[tuple[int, ...], list[int]]] = []  # each row's units by prompt
     room: list[int] = []
     rows_of: dict[tuple[int, ...], list[int]] = {}  # rows holding a prompt
     left: list[int] = []
@@ -377,18 +376,18 @@ def _fill_shared_rows(
         need = c
         if row is None:
             need = len(key) + c
-            row = next((r for r in range(len(units)) if need <= room[r]), None)
-            if row is None and len(units) < max_rows:
-                units.append({})
+            row = next((r for r in range(len(rows)) if need <= room[r]), None)
+            if row is None and len(rows) < max_rows:
+                rows.append({})
                 room.append(width)
-                row = len(units) - 1
+                row = len(rows) - 1
             if row is None:
                 left.append(i)
                 continue
             rows_of.setdefault(key, []).append(row)
-        units[row].setdefault(key, []).append(i)
+        rows[row].setdefault(key, []).append(i)
         room[row] -= need
-    return [list(row.values()) for row in units], width - min(room, default=width), left
+    return [list(row.values()) for row in rows], width - min(room, default=width), left
 
 
 @dataclass
@@ -472,7 +471,7 @@ def collate_packed(
         **_layout(indices, grid_rows, grid_cols, lengths, max(max(lengths, default=0), 1), device),
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
-        attention_mask=shared_prompt_mask(segments, branches).to(device) if shared else None,
+        attention_mask=shared_prompt_mask(segments.to(device), branches.to(device)) if shared else None,
         pick=torch.tensor(pick, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
     )
@@ -734,9 +733,9 @@ def plan_micro_batches(
     right-padded, or in the shared-prefix layout when that is allowed and processes at least
     ``SHARED_PREFIX_MIN_SAVING`` fewer tokens."""
     base: MicroBatchPlan
+    cont_of = {i: _continuation(samples, i) for i in indices}
     if packed:
         batches: list[Any] = plan_packed_units(samples, indices, token_budget, share_prompts, width_scale)
-        cont_of = {i: _continuation(samples, i) for i in indices}
         widths = [[sum(unit_tokens(samples, u, cont_of) for u in row) for row in rows] for rows in batches]
         processed = sum(len(fills) * max(fills) for fills in widths)
         base = MicroBatchPlan("packed", batches, processed, sum(sum(fills) for fills in widths))
@@ -748,7 +747,6 @@ def plan_micro_batches(
     if not allow_shared_prefix or len({tuple(samples[i].prompt_ids) for i in indices}) == len(indices):
         return base  # not allowed, or no prompt repeats: nothing to share
     shared = plan_shared_prefix(samples, indices, token_budget)
-    cont_of = {i: _continuation(samples, i) for i in indices}
     processed = sum(shared_prefix_cost(samples, b, cont_of) for b in shared)
     if processed > (1.0 - SHARED_PREFIX_MIN_SAVING) * base.processed_tokens:
         return base

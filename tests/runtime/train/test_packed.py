@@ -27,6 +27,7 @@ from runtime.models.logprobs import logprobs_from_logits
 from runtime.samples import Sample
 from runtime.spec import load_spec
 from runtime.train.batches import (
+    PackedBatch,
     attention_width,
     collate_packed,
     collate_padded,
@@ -123,36 +124,6 @@ def test_the_packed_layout_gives_the_padded_layouts_logprobs_and_gradients(budge
     torch.testing.assert_close(flat, padded, rtol=0, atol=1e-5)
     for a, b in zip(packed_grads, padded_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_transformers_reads_packed_rows_as_the_plain_decoder_does():
-    samples = _uneven(UNEVEN, seed=3)
-    order = list(range(len(samples)))
-    model = _policy()[0].train()
-    hf = _transformers_twin(model)
-    rows = plan_packed([s.num_tokens for s in samples], 4096)
-    mb = collate_packed(samples, _units(rows[0]), 0, CPU)
-    assert (mb.position_ids == 0).sum() > mb.input_ids.shape[0]  # rows hold several sequences
-    plain, plain_grads = _logprobs_and_grads(model, mb, order)
-    theirs, _ = _logprobs_and_grads(hf, mb, order)
-    padded, _ = _logprobs_and_grads(hf, collate_padded(samples, order, 0, CPU), order)
-    torch.testing.assert_close(theirs, plain, rtol=0, atol=1e-5)
-    torch.testing.assert_close(theirs, padded, rtol=0, atol=1e-5)
-
-
-def test_a_critic_reads_packed_rows_as_padded_ones():
-    samples = _uneven(UNEVEN, seed=5)
-    order = list(range(len(samples)))
-    critic = ValueModel.from_policy(_policy()[0])
-    torch.nn.init.normal_(critic.head.weight)  # a zero head would make every layout agree
-    padded_mb = collate_padded(samples, order, 0, CPU)
-    packed_mb = collate_packed(samples, _units(plan_packed([s.num_tokens for s in samples], 4096)[0]), 0, CPU)
-    padded, packed = ({}, {})
-    for mb, out in ((padded_mb, padded), (packed_mb, packed)):
-        values = mb.split(mb.predicting(critic(**mb.forward_inputs())))
-        out.update(zip(mb.indices, values, strict=True))
-    for i in order:
-        torch.testing.assert_close(packed[i], padded[i], rtol=0, atol=1e-5)
 
 
 def test_a_long_tailed_batch_packs_to_within_five_percent_of_its_real_tokens():
@@ -274,14 +245,38 @@ def test_rows_sharing_a_prompt_give_the_padded_layouts_logprobs_and_gradients(bu
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_transformers_reads_rows_sharing_a_prompt_as_the_plain_decoder_does():
-    samples = _renumbered(_groups(seed=2))
+def test_attention_that_takes_no_prepared_mask_never_shares_a_prompt_in_a_row():
+    model = _policy()[0]
+    for attention in ("flash_attention_2", "eager"):
+        hf = _transformers_twin(model)
+        hf.config._attn_implementation = attention
+        assert not takes_prepared_mask(hf), attention
+    assert takes_prepared_mask(model) and takes_prepared_mask(_transformers_twin(model))  # plain, and SDPA
+    hf = _transformers_twin(model)
+    hf.config.layer_types = ["sliding_attention"] * len(hf.config.layer_types)
+    assert not takes_prepared_mask(hf)  # a prepared mask would replace the window
+
+
+def _one_packed_batch(kind: str, seed: int) -> tuple[list, PackedBatch]:
+    """Samples and one packed micro-batch holding them all: ``sequences`` (several per row) or ``shared``
+    (groups behind one copy of their prompt, the rows' mask explicit)."""
+    if kind == "sequences":
+        samples = _uneven(UNEVEN, seed=seed)
+        mb = collate_packed(samples, _units(plan_packed([s.num_tokens for s in samples], 4096)[0]), 0, CPU)
+        assert (mb.position_ids == 0).sum() > mb.input_ids.shape[0] and not mb.shares_prompts
+    else:
+        samples = _renumbered(_groups(seed=seed))
+        mb = collate_packed(samples, plan_packed_units(samples, list(range(len(samples))), 4096, True)[0], 0, CPU)
+        assert mb.shares_prompts
+    return samples, mb
+
+
+@pytest.mark.parametrize("kind,seed", [("sequences", 3), ("shared", 2)])
+def test_transformers_reads_packed_rows_as_the_plain_decoder_does(kind, seed):
+    samples, mb = _one_packed_batch(kind, seed)
     order = list(range(len(samples)))
     model = _policy()[0].train()
     hf = _transformers_twin(model)
-    assert takes_prepared_mask(model) and takes_prepared_mask(hf)
-    mb = collate_packed(samples, plan_packed_units(samples, order, 4096, share_prompts=True)[0], 0, CPU)
-    assert mb.shares_prompts
     plain, _ = _logprobs_and_grads(model, mb, order)
     theirs, _ = _logprobs_and_grads(hf, mb, order)
     padded, _ = _logprobs_and_grads(hf, collate_padded(samples, order, 0, CPU), order)
@@ -289,30 +284,17 @@ def test_transformers_reads_rows_sharing_a_prompt_as_the_plain_decoder_does():
     torch.testing.assert_close(theirs, padded, rtol=0, atol=1e-5)
 
 
-def test_attention_that_takes_no_prepared_mask_never_shares_a_prompt_in_a_row():
-    model = _policy()[0]
-    for attention in ("flash_attention_2", "eager"):
-        hf = _transformers_twin(model)
-        hf.config._attn_implementation = attention
-        assert not takes_prepared_mask(hf), attention
-    hf = _transformers_twin(model)
-    hf.config.layer_types = ["sliding_attention"] * len(hf.config.layer_types)
-    assert not takes_prepared_mask(hf)  # a prepared mask would replace the window
-
-
-def test_a_critic_reads_rows_sharing_a_prompt_as_padded_ones():
-    samples = _renumbered(_groups(seed=4))
+@pytest.mark.parametrize("kind,seed", [("sequences", 5), ("shared", 4)])
+def test_a_critic_reads_packed_rows_as_padded_ones(kind, seed):
+    samples, packed_mb = _one_packed_batch(kind, seed)
     order = list(range(len(samples)))
     critic = ValueModel.from_policy(_policy()[0])
-    torch.nn.init.normal_(critic.head.weight)
-    padded_mb = collate_padded(samples, order, 0, CPU)
-    shared_mb = collate_packed(samples, plan_packed_units(samples, order, 4096, share_prompts=True)[0], 0, CPU)
-    assert shared_mb.shares_prompts
-    padded, shared = {}, {}
-    for mb, out in ((padded_mb, padded), (shared_mb, shared)):
+    torch.nn.init.normal_(critic.head.weight)  # a zero head would make every layout agree
+    padded, packed = {}, {}
+    for mb, out in ((collate_padded(samples, order, 0, CPU), padded), (packed_mb, packed)):
         out.update(zip(mb.indices, mb.split(mb.predicting(critic(**mb.forward_inputs()))), strict=True))
     for i in order:
-        torch.testing.assert_close(shared[i], padded[i], rtol=0, atol=1e-5)
+        torch.testing.assert_close(packed[i], padded[i], rtol=0, atol=1e-5)
 
 
 def _fill(samples: list, row: list[list[int]]) -> int:
